@@ -1,0 +1,54 @@
+# OmniModel — `make help` lists the targets.
+SHELL := /bin/bash
+PY ?= .venv/bin/python
+VENV_BIN := $(dir $(PY))
+export PYTHONPATH := e2e
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## List targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+.PHONY: venv
+venv: ## Create .venv with every extra (CPU torch from ../shared/wheels when present)
+	./.ci/setup-venv
+
+.PHONY: crds
+crds: ## Regenerate crds/ from the pydantic API models
+	$(VENV_BIN)omnimodel-operator crd > crds/omnimodel.io_omnimodels.yaml
+
+.PHONY: lint
+lint: ## ruff (lint + format check), mypy --strict, import-linter
+	$(VENV_BIN)ruff check .
+	$(VENV_BIN)ruff format --check .
+	$(VENV_BIN)mypy operator/omnimodel_operator runtime/omnimodel_runtime $(wildcard e2e/omnimodel_testbed)
+	$(VENV_BIN)lint-imports
+
+.PHONY: fmt
+fmt: ## Format and auto-fix
+	$(VENV_BIN)ruff format .
+	$(VENV_BIN)ruff check --fix .
+
+.PHONY: unit
+unit: ## Unit and component tests (no cluster)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+.PHONY: e2e
+e2e: cluster-build ## End-to-end tests on the local control plane (starts and stops it)
+	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
+
+.PHONY: test
+test: lint ## Everything CI runs: lint, unit, component and e2e tests
+	$(PY) -m pytest tests e2e $(PYTEST_ARGS)
+
+.PHONY: render
+render: ## Render every example to stdout, as the operator would apply it
+	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
+
+.PHONY: demo
+demo: ## The main job on embedded defaults (currently: render every example)
+	$(MAKE) -s render
+
+-include e2e/cluster.mk

@@ -1,0 +1,373 @@
+"""``omnimodel.io/v1alpha1`` OmniModel: spec and status as pydantic models.
+
+These models are the single source of truth: the CRD in ``crds/`` is generated from them
+(:mod:`omnimodel_operator.crdgen`), and the operator parses every object through them once per reconcile.
+CEL rules live next to the fields they guard (``cel(...)``) so that the API server and the operator
+enforce the same invariants.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+from omnimodel_runtime.pipeline import PRESETS, EngineName, Modality, StageKind, Vendor
+from omnimodel_runtime.pipeline.graph import STAGE_NAME_MAX, STAGE_NAME_PATTERN
+
+MAX_STAGES = 16
+MAX_INPUTS = 8
+
+
+def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> JsonValue:
+    """One ``x-kubernetes-validations`` entry."""
+    out: dict[str, JsonValue] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+# Kubernetes quantities ("500m", "16Gi", 2): the API server's own int-or-string form.
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}),
+]
+# Free-form objects handed through to Kubernetes or the engine untouched.
+FreeForm = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+DnsLabel = Annotated[str, Field(pattern=STAGE_NAME_PATTERN, min_length=1, max_length=STAGE_NAME_MAX)]
+
+
+class KubeModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class ModelCache(KubeModel):
+    pvc: str = Field(
+        min_length=1,
+        description="PersistentVolumeClaim mounted at /models in every stage pod and shared as the "
+        "weight cache; each stage downloads only the files its part needs.",
+    )
+
+
+class ModelSpec(KubeModel):
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=r"^(hf|pvc|file|tiny)://.+",
+        description="Where the weights come from: hf://org/name, pvc://claim/path, file:///path, or "
+        "tiny://<preset> for random weights built locally from a small config (tests and demos).",
+    )
+    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit).")
+    served_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Model id clients send in the `model` field. Defaults to the source path.",
+    )
+    cache: ModelCache | None = Field(default=None, description="Shared weight cache volume.")
+
+
+class EnvVar(KubeModel):
+    name: str = Field(min_length=1, description="Environment variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: FreeForm | None = Field(
+        default=None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
+    )
+
+
+class Toleration(KubeModel):
+    key: str | None = Field(default=None, description="Taint key to tolerate; empty with Exists = all.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; empty = all effects."
+    )
+    toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated.")
+
+
+class Resources(KubeModel):
+    limits: dict[str, Quantity] | None = Field(default=None, description="Resource limits (cpu, memory, ...).")
+    requests: dict[str, Quantity] | None = Field(default=None, description="Resource requests.")
+
+
+class RuntimeSpec(KubeModel):
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Runtime image for every stage and the gateway. Defaults to the operator's image "
+        "for each stage's accelerator vendor (cuda, rocm, xpu, cann or cpu variant).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy for runtime containers."
+    )
+    env: list[EnvVar] | None = Field(
+        default=None, max_length=64, description="Environment for every runtime container."
+    )
+
+
+class GatewaySpec(KubeModel):
+    replicas: int = Field(default=1, ge=0, le=1000, description="Gateway pods. Default 1.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Service port of the OpenAI API. Default 8000.")
+    api_key_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Secret whose `api-key` entry clients must send as a Bearer token. Unset = open.",
+    )
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Type of the gateway Service. Default ClusterIP."
+    )
+    resources: Resources | None = Field(default=None, description="Gateway container resources.")
+    node_selector: dict[str, str] | None = Field(default=None, description="Gateway node selector.")
+    tolerations: list[Toleration] | None = Field(default=None, max_length=32, description="Gateway tolerations.")
+
+
+class Accelerator(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.vendor == 'cpu' || !has(self.count) || self.count >= 1",
+                    "accelerator.count must be at least 1 for a device vendor",
+                    ".count",
+                ),
+                cel(
+                    "self.vendor != 'cpu' || ((!has(self.count) || self.count == 0) && !has(self.product))",
+                    "a cpu accelerator takes neither count nor product",
+                ),
+            ]
+        }
+    )
+
+    vendor: Vendor = Field(description="nvidia, amd, intel, ascend or cpu (no device).")
+    product: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        description="Product to pin to by node label, e.g. H200 (nvidia.com/gpu.product=NVIDIA-H200), "
+        "MI300X, 910B. Unset = any product of the vendor.",
+    )
+    count: int | None = Field(
+        default=None, ge=0, le=64, description="Devices per replica. Default 1 for device vendors."
+    )
+
+
+class Autoscaling(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "autoscaling.minReplicas must not exceed maxReplicas",
+                    ".minReplicas",
+                )
+            ]
+        }
+    )
+
+    min_replicas: int = Field(default=1, ge=1, le=1000, description="Lower bound. Default 1.")
+    max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
+    metric: Literal["cpu", "queueDepth", "inFlight"] = Field(
+        default="queueDepth",
+        description="cpu (utilisation %, resource metric) or a per-pod runtime metric served through "
+        "the custom metrics API: queueDepth (omnimodel_queue_depth) or inFlight "
+        "(omnimodel_requests_in_flight). Default queueDepth.",
+    )
+    target: int = Field(
+        ge=1, le=100000, description="Target per pod: utilisation percent for cpu, average value otherwise."
+    )
+
+
+class Disruption(KubeModel):
+    min_available: Quantity = Field(
+        description="PodDisruptionBudget minAvailable for this stage (count or percentage)."
+    )
+
+
+class StageSpec(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!(has(self.replicas) && has(self.autoscaling))",
+                    "replicas and autoscaling are mutually exclusive: autoscaling owns the replica count",
+                    ".replicas",
+                )
+            ]
+        }
+    )
+
+    name: DnsLabel = Field(description="Stage name; a preset's stage name overrides that stage.")
+    engine: EngineName | None = Field(default=None, description="vllm, transformers or diffusers.")
+    kind: StageKind | None = Field(
+        default=None,
+        description="ar, generation, diffusion, encoder, decoder or vocoder. Only for graphs without a preset.",
+    )
+    task: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        description="What the engine does (e.g. text-generation). Only for graphs without a preset.",
+    )
+    inputs: list[DnsLabel] | None = Field(
+        default=None,
+        max_length=MAX_INPUTS,
+        description="Upstream stages. Only for graphs without a preset; must name stages listed earlier.",
+    )
+    outputs: list[Modality] | None = Field(
+        default=None,
+        max_length=3,
+        description="Modalities this stage returns to the client. Only for graphs without a preset.",
+    )
+    replicas: int | None = Field(default=None, ge=0, le=1000, description="Pods for this stage. Default 1.")
+    accelerator: Accelerator | None = Field(default=None, description="Devices per replica.")
+    resources: Resources | None = Field(default=None, description="CPU/memory; device limits come from accelerator.")
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Extra node labels, merged over the accelerator's product label."
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=32, description="Extra tolerations, added to the accelerator's."
+    )
+    affinity: FreeForm | None = Field(default=None, description="A Kubernetes Affinity, used as given.")
+    env: list[EnvVar] | None = Field(default=None, max_length=64, description="Extra environment.")
+    engine_args: FreeForm | None = Field(
+        default=None, description="Keyword arguments for the engine (e.g. tensor_parallel_size)."
+    )
+    autoscaling: Autoscaling | None = Field(default=None, description="HorizontalPodAutoscaler bounds.")
+    disruption: Disruption | None = Field(default=None, description="PodDisruptionBudget for this stage.")
+
+
+def _preset_stage_map() -> str:
+    """CEL map literal preset → stage names, generated from the catalogue so the two never drift."""
+    entries = ", ".join(
+        f"'{name}': [{', '.join(repr(s) for s in preset.stage_names)}]" for name, preset in PRESETS.items()
+    )
+    return "{" + entries + "}"
+
+
+_NAMES = "self.stages.map(t, t.name)"
+
+
+class OmniModelSpec(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.preset) || (has(self.stages) && size(self.stages) > 0)",
+                    "spec.stages must describe the graph when no preset is given",
+                    ".stages",
+                ),
+                cel(
+                    "!has(self.preset) || !has(self.stages) || "
+                    f"self.stages.all(s, s.name in {_preset_stage_map()}[self.preset])",
+                    "with a preset, every stage must be named like one of the preset's stages",
+                    ".stages",
+                ),
+                cel(
+                    "!has(self.preset) || !has(self.stages) || self.stages.all(s, "
+                    "!has(s.inputs) && !has(s.kind) && !has(s.task) && !has(s.outputs))",
+                    "a preset fixes the graph: its stages cannot set inputs, kind, task or outputs",
+                    ".stages",
+                ),
+                cel(
+                    "has(self.preset) || !has(self.stages) || "
+                    "self.stages.all(s, has(s.engine) && has(s.kind) && has(s.task))",
+                    "without a preset every stage needs engine, kind and task",
+                    ".stages",
+                ),
+                cel(
+                    f"!has(self.stages) || self.stages.all(s, !has(s.inputs) || s.inputs.all(i, i in {_NAMES}))",
+                    "stage inputs must name stages of this OmniModel",
+                    ".stages",
+                ),
+                cel(
+                    "!has(self.stages) || self.stages.all(s, !has(s.inputs) || s.inputs.all(i, "
+                    f"!(i in {_NAMES}) || {_NAMES}.indexOf(i) < {_NAMES}.indexOf(s.name)))",
+                    "stage inputs must name stages listed before it, so the graph has no cycle",
+                    ".stages",
+                ),
+            ]
+        }
+    )
+
+    model: ModelSpec = Field(description="The model the pipeline serves.")
+    preset: Literal[tuple(PRESETS)] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Stage-graph template: " + ", ".join(PRESETS) + ". Omit to describe the graph in stages.",
+    )
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Runtime container settings.")
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The OpenAI-compatible gateway.")
+    stages: list[StageSpec] | None = Field(
+        default=None,
+        max_length=MAX_STAGES,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Per-stage settings. With a preset, entries override the named preset stages; "
+        "without, they are the graph (inputs name earlier stages).",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> OmniModelSpec:
+        # The CRD's list-map already guarantees this on the server; the operator also parses
+        # files given to `render`, which never went through the API server.
+        names = [s.name for s in self.stages or []]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate stage name(s): {', '.join(dupes)}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+class Condition(KubeModel):
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="UpperCamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    observed_generation: int | None = Field(default=None, description="Generation the condition describes.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+
+
+class StageStatus(KubeModel):
+    name: str = Field(description="Stage name.")
+    replicas: int = Field(default=0, description="Desired pods.")
+    ready_replicas: int = Field(default=0, description="Pods ready.")
+    updated_replicas: int = Field(default=0, description="Pods on the current template.")
+    available_replicas: int = Field(default=0, description="Pods available.")
+    accelerator: str = Field(default="", description="Devices per replica, e.g. 2x nvidia H200.")
+    service: str = Field(default="", description="In-cluster URL of the stage.")
+    message: str = Field(default="", description="Why the stage is not ready, when it is not.")
+
+
+class OmniModelStatus(KubeModel):
+    observed_generation: int | None = Field(default=None, description="Last spec generation reconciled.")
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready (summary), Progressing, Degraded.",
+    )
+    stages: list[StageStatus] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Per-stage rollout state.",
+    )
+    ready_stages: str | None = Field(default=None, description="Ready stages over total, e.g. 2/3.")
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI API.")
+
+
+class OmniModel(KubeModel):
+    """The whole object; only ``spec`` and ``status`` are modelled, metadata stays Kubernetes'."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = Field(description="omnimodel.io/v1alpha1")
+    kind: str = Field(description="OmniModel")
+    metadata: FreeForm = Field(description="Standard object metadata.")
+    spec: OmniModelSpec = Field(description="Desired pipeline.")
+    status: OmniModelStatus | None = Field(default=None, description="Observed state.")

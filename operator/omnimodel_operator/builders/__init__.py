@@ -1,0 +1,61 @@
+"""Pure builders: a :class:`~omnimodel_operator.resolve.Plan` in, plain manifest dicts out.
+
+Only these functions set names, labels, owner references, resources and placement; reconcile applies
+whatever they return, in order.
+"""
+
+from __future__ import annotations
+
+from omnimodel_operator import constants as C
+from omnimodel_operator.builders.common import Manifest, content_hash
+from omnimodel_operator.builders.gateway import gateway_deployment, gateway_service
+from omnimodel_operator.builders.pipeline import pipeline_configmap
+from omnimodel_operator.builders.stage import (
+    stage_deployment,
+    stage_hpa,
+    stage_network_policy,
+    stage_pdb,
+    stage_service,
+)
+from omnimodel_operator.resolve import Plan
+from omnimodel_operator.settings import OperatorSettings
+
+# Kinds the operator may create; pruning lists exactly these (and nothing it cannot own).
+CHILD_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+)
+
+
+def render(plan: Plan, settings: OperatorSettings) -> list[Manifest]:
+    """Every child of one OmniModel, in apply order (config before the pods that mount it)."""
+    out: list[Manifest] = [pipeline_configmap(plan)]
+    for sp in plan.stages:
+        out.append(stage_service(plan, sp))
+        out.append(stage_deployment(plan, sp, settings.image_pull_policy))
+        for optional in (stage_hpa(plan, sp), stage_pdb(plan, sp)):
+            if optional is not None:
+                out.append(optional)
+        if settings.network_policy:
+            out.append(stage_network_policy(plan, sp))
+    out.append(gateway_service(plan))
+    out.append(gateway_deployment(plan, settings.image_pull_policy))
+    return [with_applied_hash(m) for m in out]
+
+
+def with_applied_hash(manifest: Manifest) -> Manifest:
+    """Stamp the manifest with a hash of itself. Reconcile skips a child whose live copy carries the
+    same hash and still holds every field we set: a no-op reconcile then makes no API writes, while a
+    field someone else changed (or one we stopped setting) still gets applied."""
+    annotations = {
+        **manifest["metadata"].get("annotations", {}),
+        C.ANNOTATION_APPLIED_HASH: content_hash(manifest),
+    }
+    return {**manifest, "metadata": {**manifest["metadata"], "annotations": annotations}}
+
+
+__all__ = ["CHILD_KINDS", "Manifest", "render"]

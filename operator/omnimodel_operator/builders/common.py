@@ -1,0 +1,165 @@
+"""Pieces every child manifest shares: metadata, owner references, pod security, volumes, probes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from omnimodel_operator import constants as C
+from omnimodel_operator import naming
+from omnimodel_operator.api.v1alpha1 import EnvVar, Resources, Toleration
+from omnimodel_operator.resolve import Plan
+
+Manifest = dict[str, Any]
+
+
+def owner_reference(plan: Plan) -> dict[str, Any]:
+    assert plan.uid is not None
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "name": plan.name,
+        "uid": plan.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(plan: Plan, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": plan.namespace, "labels": dict(labels)}
+    if plan.uid is not None:
+        meta["ownerReferences"] = [owner_reference(plan)]
+    return meta
+
+
+def content_hash(payload: Any) -> str:
+    """Stable hash of JSON-able data, for pod-template annotations that roll pods on change."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def env_list(env: Iterable[EnvVar] | None) -> list[dict[str, Any]]:
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in env or ()]
+
+
+def merge_env(*groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Later groups win by name; order of first appearance is kept so output is stable."""
+    merged: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        for item in group:
+            merged[item["name"]] = item
+    return list(merged.values())
+
+
+def tolerations_list(tolerations: Iterable[Toleration] | None) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations or ()]
+
+
+def dedupe(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[str] = set()
+    out = []
+    for item in items:
+        key = json.dumps(item, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(item)
+    return out
+
+
+def quantity(value: int | str) -> str:
+    return str(value)
+
+
+def resources_dict(resources: Resources | None, device_limits: Mapping[str, str]) -> dict[str, Any]:
+    """User cpu/memory plus device limits; devices are limits only (the API server copies them to
+    requests), and the accelerator table wins over a hand-written device limit."""
+    limits = {k: quantity(v) for k, v in ((resources.limits if resources else None) or {}).items()}
+    requests = {k: quantity(v) for k, v in ((resources.requests if resources else None) or {}).items()}
+    limits.update(device_limits)
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    return out
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": C.RUNTIME_UID,
+        "runAsGroup": C.RUNTIME_UID,
+        "fsGroup": C.RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def http_probes(port_name: str, *, startup_seconds: int) -> dict[str, Any]:
+    """Startup and readiness on /health (503 until the engine is loaded and warm); liveness on /livez
+    (process alive) so a gateway whose stage is down is taken out of rotation, not restarted."""
+    return {
+        "startupProbe": {
+            "httpGet": {"path": C.HEALTH_PATH, "port": port_name},
+            "periodSeconds": 5,
+            "failureThreshold": max(1, startup_seconds // 5),
+        },
+        "readinessProbe": {
+            "httpGet": {"path": C.HEALTH_PATH, "port": port_name},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/livez", "port": port_name},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+    }
+
+
+def pipeline_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {
+        "name": "pipeline",
+        "configMap": {"name": naming.pipeline_configmap_name(plan.name)},
+    }
+    mount = {"name": "pipeline", "mountPath": C.PIPELINE_MOUNT_DIR, "readOnly": True}
+    return volume, mount
+
+
+def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """/tmp for a read-only root filesystem; /dev/shm in memory, because the 64 MiB container default
+    breaks torch's shared-memory tensors and NCCL."""
+    volumes = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    return volumes, mounts
+
+
+def model_cache_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    cache = plan.spec.model.cache
+    source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.pvc}} if cache else {"emptyDir": {}}
+    return {"name": "model-cache", **source}, {"name": "model-cache", "mountPath": C.MODEL_CACHE_DIR}
+
+
+def runtime_env(plan: Plan) -> list[dict[str, Any]]:
+    """Env every runtime container gets: caches on writable volumes under a read-only root."""
+    return [
+        {"name": "HF_HOME", "value": f"{C.MODEL_CACHE_DIR}/hf"},
+        {"name": "OMNIMODEL_MODEL_CACHE", "value": C.MODEL_CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HOME", "value": "/tmp"},
+        *env_list(plan.spec.runtime.env),
+    ]

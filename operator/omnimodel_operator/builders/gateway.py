@@ -1,0 +1,108 @@
+"""The gateway: OpenAI-compatible API in front of the stage graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnimodel_operator import constants as C
+from omnimodel_operator import naming
+from omnimodel_operator.accelerators import accelerator_for
+from omnimodel_operator.builders.common import (
+    Manifest,
+    container_security_context,
+    content_hash,
+    http_probes,
+    merge_env,
+    metadata,
+    pipeline_volume,
+    pod_security_context,
+    resources_dict,
+    runtime_env,
+    scratch_volumes,
+    tolerations_list,
+)
+from omnimodel_operator.resolve import Plan
+from omnimodel_runtime.pipeline import Vendor
+
+API_KEY_SECRET_KEY = "api-key"  # noqa: S105  (the name of a Secret key, not a secret)
+GATEWAY_STARTUP_SECONDS = 300
+
+
+def gateway_deployment(plan: Plan, image_pull_policy: str) -> Manifest:
+    gw = plan.spec.gateway
+    name = naming.gateway_name(plan.name)
+    labels = naming.gateway_labels(plan.name)
+    pipeline_vol, pipeline_mount = pipeline_volume(plan)
+    scratch_vols, scratch_mounts = scratch_volumes()
+    env = merge_env(runtime_env(plan), [{"name": k, "value": v} for k, v in accelerator_for(Vendor.CPU).env().items()])
+    if gw.api_key_secret:
+        env.append(
+            {
+                "name": "OMNIMODEL_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": gw.api_key_secret, "key": API_KEY_SECRET_KEY}},
+            }
+        )
+    container: dict[str, Any] = {
+        "name": "gateway",
+        "image": plan.gateway_image,
+        "imagePullPolicy": plan.spec.runtime.image_pull_policy or image_pull_policy,
+        "command": ["omnimodel", "gateway"],
+        "args": [
+            "--pipeline",
+            C.PIPELINE_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(C.GATEWAY_PORT),
+        ],
+        "ports": [{"name": "http", "containerPort": C.GATEWAY_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources_dict(gw.resources, {}),
+        "volumeMounts": [pipeline_mount, *scratch_mounts],
+        "securityContext": container_security_context(),
+        **http_probes("http", startup_seconds=GATEWAY_STARTUP_SECONDS),
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": [pipeline_vol, *scratch_vols],
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if gw.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(gw.node_selector.items()))
+    if gw.tolerations:
+        pod_spec["tolerations"] = tolerations_list(gw.tolerations)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(plan, name, labels),
+        "spec": {
+            "replicas": gw.replicas,
+            "selector": {"matchLabels": naming.gateway_selector(plan.name)},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    # The gateway reads the whole graph (routes, endpoints), so any change rolls it.
+                    "annotations": {C.ANNOTATION_PIPELINE_HASH: content_hash(plan.pipeline.to_json())},
+                },
+                "spec": pod_spec,
+            },
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+        },
+    }
+
+
+def gateway_service(plan: Plan) -> Manifest:
+    gw = plan.spec.gateway
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(plan, naming.gateway_name(plan.name), naming.gateway_labels(plan.name)),
+        "spec": {
+            "type": gw.service_type,
+            "selector": naming.gateway_selector(plan.name),
+            "ports": [{"name": "http", "port": gw.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

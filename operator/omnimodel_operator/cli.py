@@ -1,0 +1,93 @@
+"""``omnimodel-operator``: run the operator, render what it would apply, print the CRD."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omnimodel_operator import constants as C
+from omnimodel_operator.crdgen import render_crd_yaml
+from omnimodel_operator.resolve import InvalidSpec, resolve
+from omnimodel_operator.settings import OperatorSettings
+
+
+def _documents(path: str) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: OperatorSettings) -> str:
+    """Multi-document YAML of every child, as the operator would apply them (owner references are
+    added by the operator once the object has a uid)."""
+    from omnimodel_operator.builders import render  # noqa: PLC0415  (keeps `crd` import-light)
+
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        if doc.get("kind") != C.KIND:
+            raise InvalidSpec("kind", f"expected kind {C.KIND}, got {doc.get('kind')!r}")
+        meta = doc.get("metadata") or {}
+        if not meta.get("name"):
+            raise InvalidSpec("metadata.name", "an OmniModel needs a name")
+        plan = resolve(
+            meta["name"],
+            meta.get("namespace") or namespace,
+            doc.get("spec") or {},
+            settings,
+            uid=meta.get("uid"),
+        )
+        out.extend(render(plan, settings))
+    return yaml.safe_dump_all(out, sort_keys=False, width=120)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf  # noqa: PLC0415
+
+    import omnimodel_operator.handlers  # noqa: F401, PLC0415  (registers the handlers)
+
+    namespaces = args.namespace or OperatorSettings().namespaces
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omnimodel-operator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_render = sub.add_parser("render", help="print the children an OmniModel would get, as YAML")
+    p_render.add_argument("-f", "--filename", required=True, help="OmniModel YAML file, or - for stdin")
+    p_render.add_argument("-n", "--namespace", default="default", help="namespace when the file sets none")
+    sub.add_parser("crd", help="print the OmniModel CustomResourceDefinition")
+    p_run = sub.add_parser("run", help="run the operator against the current kubeconfig/in-cluster config")
+    p_run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
+    p_run.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p_run.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.command == "crd":
+        sys.stdout.write(render_crd_yaml())
+        return 0
+    if args.command == "render":
+        try:
+            sys.stdout.write(render_documents(_documents(args.filename), args.namespace, OperatorSettings()))
+        except InvalidSpec as err:
+            print(f"error: invalid OmniModel: {err}", file=sys.stderr)
+            return 2
+        except (OSError, yaml.YAMLError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    return _run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Status conditions, the Kubernetes way: type/status/reason/message/observedGeneration/
+lastTransitionTime, where lastTransitionTime moves only when status flips."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+READY: Final = "Ready"
+PROGRESSING: Final = "Progressing"
+DEGRADED: Final = "Degraded"
+CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED)
+
+# Reasons (UpperCamelCase), most severe first; the summary Ready reason is the first that applies.
+INVALID_SPEC: Final = "InvalidSpec"
+INSUFFICIENT_CAPACITY: Final = "InsufficientCapacity"
+UPDATING: Final = "Updating"
+PODS_NOT_READY: Final = "PodsNotReady"
+RECONCILE_ERROR: Final = "ReconcileError"
+ALL_READY: Final = "AllStagesReady"
+ROLLOUT_COMPLETE: Final = "RolloutComplete"
+AS_EXPECTED: Final = "AsExpected"
+REASON_PRIORITY: Final = (INVALID_SPEC, RECONCILE_ERROR, INSUFFICIENT_CAPACITY, UPDATING, PODS_NOT_READY)
+
+
+def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]] | None,
+    type_: str,
+    status: bool | None,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str,
+) -> list[dict[str, Any]]:
+    """Return ``conditions`` with ``type_`` set; other conditions are kept as they are."""
+    status_str = "Unknown" if status is None else ("True" if status else "False")
+    previous = find(conditions, type_)
+    transition = (
+        previous["lastTransitionTime"]
+        if previous is not None and previous.get("status") == status_str and previous.get("lastTransitionTime")
+        else now
+    )
+    new = {
+        "type": type_,
+        "status": status_str,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": transition,
+    }
+    out = [dict(c) for c in conditions or () if c.get("type") != type_]
+    out.append(new)
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(out, key=lambda c: order.get(c["type"], len(order)))

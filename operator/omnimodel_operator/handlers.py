@@ -1,0 +1,93 @@
+"""kopf wiring. Decorators only: every handler parses nothing itself and calls :func:`reconcile`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Any, cast
+
+import kopf
+
+from omnimodel_operator import constants as C
+from omnimodel_operator.kube import ApiError, HttpKube, KubeClient, load_connection
+from omnimodel_operator.reconcile import reconcile
+from omnimodel_operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings()
+_state: dict[str, Any] = {}
+# One reconcile at a time per object: the timer, child events and spec handlers may fire together.
+_locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+def _client() -> KubeClient:
+    client: KubeClient | None = _state.get("client")
+    if client is None:
+        client = HttpKube(load_connection())
+        _state["client"] = client
+    return client
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Keep kopf's bookkeeping out of `status`, which is entirely ours.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.KOPF_ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=C.KOPF_ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # Our own events mark transitions; kopf's per-handler "succeeded" events would drown them.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 4
+
+
+@kopf.on.cleanup()
+async def close_client(**_: Any) -> None:
+    client = _state.pop("client", None)
+    if isinstance(client, HttpKube):
+        await client.aclose()
+
+
+async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    async with _locks[key]:
+        try:
+            outcome = await reconcile(_client(), body, SETTINGS)
+        except ApiError as err:
+            if err.transient:
+                raise kopf.TemporaryError(f"API error, will retry: {err}", delay=5) from err
+            raise
+    for ref in outcome.applied:
+        logger.info(f"Applied {ref}")
+    for ref in outcome.deleted:
+        logger.info(f"Deleted {ref}")
+    if outcome.invalid is not None:
+        logger.warning(f"Invalid spec, nothing applied: {outcome.invalid}")
+
+
+@kopf.on.resume(C.GROUP, C.VERSION, C.PLURAL)
+@kopf.on.create(C.GROUP, C.VERSION, C.PLURAL)
+@kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec")
+async def reconcile_spec(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    await _run(body, logger)
+
+
+@kopf.timer(C.GROUP, C.VERSION, C.PLURAL, interval=SETTINGS.status_interval, initial_delay=1.0)
+async def refresh_status(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """Level-based safety net: re-reads children (and repairs drift) on a fixed cadence."""
+    await _run(body, logger)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={C.LABEL_MANAGED_BY: C.MANAGED_BY})
+async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """A stage's Deployment changed (pods became ready, a rollout finished): refresh the owner now
+    rather than on the next timer tick."""
+    owner = next(
+        (r for r in body["metadata"].get("ownerReferences") or [] if r.get("kind") == C.KIND and r.get("controller")),
+        None,
+    )
+    if owner is None:
+        return
+    parent = await _client().get(C.API_VERSION, C.KIND, body["metadata"]["namespace"], owner["name"])
+    if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
+        return
+    await _run(kopf.Body(cast(kopf.RawBody, parent)), logger)

@@ -1,0 +1,187 @@
+"""Resolve an OmniModel into a plan: the runtime's pipeline file plus per-stage workload settings.
+
+Pure: no I/O. Everything the builders render comes from a :class:`Plan`, and every way a spec can be
+wrong surfaces here as :class:`InvalidSpec` naming the field, before anything is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from omnimodel_operator import constants as C
+from omnimodel_operator import naming
+from omnimodel_operator.api.v1alpha1 import Accelerator, OmniModelSpec, StageSpec
+from omnimodel_operator.settings import OperatorSettings
+from omnimodel_runtime.pipeline import (
+    AcceleratorRequest,
+    Modality,
+    ModelSource,
+    Pipeline,
+    PipelineError,
+    Stage,
+    Vendor,
+    default_routes,
+    get_preset,
+    validation_problems,
+)
+
+
+class InvalidSpec(ValueError):
+    """The OmniModel cannot be rendered; ``field`` is the path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: Stage
+    spec: StageSpec | None
+    # None when the stage autoscales: the HPA owns `replicas`, the operator must not set it.
+    replicas: int | None
+    image: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    namespace: str
+    spec: OmniModelSpec
+    pipeline: Pipeline
+    stages: tuple[StagePlan, ...]
+    gateway_image: str
+    # The OmniModel's uid, for owner references; None when rendering a file that was never applied.
+    uid: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{naming.gateway_name(self.name)}.{self.namespace}.svc:{self.spec.gateway.port}"
+
+
+def parse_spec(spec: Mapping[str, Any]) -> OmniModelSpec:
+    """Validate a raw ``spec`` dict; errors name the first offending field (``spec.stages[0].replicas``)."""
+    try:
+        return OmniModelSpec.model_validate(spec)
+    except ValidationError as err:
+        first = err.errors()[0]
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        raise InvalidSpec(path, first["msg"].removeprefix("Value error, ")) from None
+
+
+def accelerator_request(acc: Accelerator) -> AcceleratorRequest:
+    count = acc.count if acc.count is not None else (0 if acc.vendor is Vendor.CPU else 1)
+    try:
+        return AcceleratorRequest(vendor=acc.vendor, product=acc.product, count=count)
+    except ValidationError as err:
+        raise InvalidSpec("accelerator", err.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
+def _overrides(stage: StageSpec, base: Stage | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if stage.engine is not None:
+        fields["engine"] = stage.engine
+    if stage.accelerator is not None:
+        try:
+            fields["accelerator"] = accelerator_request(stage.accelerator)
+        except InvalidSpec as err:
+            raise InvalidSpec(f"spec.stages[{stage.name}].accelerator", err.message) from None
+    if stage.engine_args is not None:
+        fields["engine_args"] = {**(base.engine_args if base else {}), **stage.engine_args}
+    return fields
+
+
+def _endpoint(cr: str, namespace: str, stage: str) -> str:
+    return f"http://{naming.stage_name(cr, stage)}.{namespace}.svc:{C.STAGE_PORT}"
+
+
+def _spec_path(path: str) -> str:
+    return path if path.startswith("spec") else f"spec.{path}"
+
+
+def build_pipeline(name: str, namespace: str, spec: OmniModelSpec) -> Pipeline:
+    """The pipeline file content: preset expanded, overrides applied, endpoints filled in."""
+    model = ModelSource(source=spec.model.source, revision=spec.model.revision, served_name=spec.model.served_name)
+    user_stages = {s.name: s for s in spec.stages or []}
+    try:
+        if spec.preset:
+            preset = get_preset(spec.preset)
+            base = {s.name: s for s in preset.stages}
+            overrides = {n: _overrides(s, base.get(n)) for n, s in user_stages.items()}
+            for stage_name in preset.stage_names:
+                overrides.setdefault(stage_name, {})
+                overrides[stage_name]["endpoints"] = (_endpoint(name, namespace, stage_name),)
+            return preset.pipeline(model, name=name, overrides=overrides)
+        stages = []
+        for s in spec.stages or []:
+            missing = [f for f in ("engine", "kind", "task") if getattr(s, f) is None]
+            if missing:
+                raise InvalidSpec(
+                    f"spec.stages[{s.name}].{missing[0]}",
+                    f"without a preset every stage needs {', '.join(missing)}",
+                )
+            stages.append(
+                Stage(
+                    name=s.name,
+                    kind=s.kind,
+                    engine=s.engine,
+                    task=s.task,
+                    inputs=tuple(s.inputs or ()),
+                    outputs=tuple(s.outputs or ()),
+                    endpoints=(_endpoint(name, namespace, s.name),),
+                    **{k: v for k, v in _overrides(s, None).items() if k != "engine"},
+                )
+            )
+        modalities = tuple(m for m in Modality if any(m in s.outputs for s in stages))
+        if not modalities:
+            raise InvalidSpec("spec.stages", "no stage lists outputs, so the graph returns nothing")
+        return Pipeline(
+            name=name,
+            model=model,
+            stages=tuple(stages),
+            modalities=modalities,
+            routes=default_routes(modalities),
+        )
+    except PipelineError as err:
+        path, message = err.problems[0]
+        raise InvalidSpec(_spec_path(path), message) from None
+    except ValidationError as err:
+        path, message = validation_problems(err)[0]
+        raise InvalidSpec(_spec_path(path), message) from None
+
+
+def resolve(
+    name: str,
+    namespace: str,
+    raw_spec: Mapping[str, Any] | OmniModelSpec,
+    settings: OperatorSettings,
+    uid: str | None = None,
+) -> Plan:
+    """Spec → plan, or :class:`InvalidSpec`."""
+    spec = raw_spec if isinstance(raw_spec, OmniModelSpec) else parse_spec(raw_spec)
+    pipeline = build_pipeline(name, namespace, spec)
+    user_stages = {s.name: s for s in spec.stages or []}
+    plans = []
+    for stage in pipeline.stages:
+        user = user_stages.get(stage.name)
+        if user is not None and user.autoscaling is not None:
+            replicas = None
+        else:
+            replicas = user.replicas if user is not None and user.replicas is not None else 1
+        image = spec.runtime.image or settings.runtime_image(stage.accelerator.vendor)
+        plans.append(StagePlan(stage=stage, spec=user, replicas=replicas, image=image))
+    gateway_image = spec.runtime.image or settings.runtime_image(Vendor.CPU)
+    return Plan(
+        name=name,
+        namespace=namespace,
+        spec=spec,
+        pipeline=pipeline,
+        stages=tuple(plans),
+        gateway_image=gateway_image,
+        uid=uid,
+    )

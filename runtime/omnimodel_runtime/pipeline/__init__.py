@@ -1,0 +1,45 @@
+"""The pipeline contract: the stage graph shared by the operator (to render) and the runtime (to run).
+
+Torch-free and FastAPI-free by design (import-linter enforces it): the operator image installs
+neither.
+"""
+
+from omnimodel_runtime.pipeline.graph import (
+    PIPELINE_FILE_VERSION,
+    AcceleratorRequest,
+    EngineName,
+    Modality,
+    ModelSource,
+    Pipeline,
+    PipelineError,
+    Route,
+    Stage,
+    StageKind,
+    Vendor,
+    default_routes,
+    load_pipeline,
+    parse_pipeline,
+    validation_problems,
+)
+from omnimodel_runtime.pipeline.presets import PRESETS, get_preset, preset_names
+
+__all__ = [
+    "PIPELINE_FILE_VERSION",
+    "PRESETS",
+    "AcceleratorRequest",
+    "EngineName",
+    "Modality",
+    "ModelSource",
+    "Pipeline",
+    "PipelineError",
+    "Route",
+    "Stage",
+    "StageKind",
+    "Vendor",
+    "default_routes",
+    "get_preset",
+    "load_pipeline",
+    "parse_pipeline",
+    "preset_names",
+    "validation_problems",
+]

@@ -1,0 +1,150 @@
+"""Builders: golden manifests per preset × vendor, and the acceptance render of the omni example."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omnimodel_operator.builders import render
+from omnimodel_operator.resolve import resolve
+from omnimodel_operator.settings import OperatorSettings
+from omnimodel_runtime.pipeline import PRESETS, Vendor
+
+GOLDEN = Path(__file__).parent / "golden"
+REPO = Path(__file__).parents[3]
+PRODUCTS = {Vendor.NVIDIA: "H200", Vendor.AMD: "MI300X", Vendor.INTEL: "Max_1550", Vendor.ASCEND: "910B"}
+SETTINGS = OperatorSettings()
+
+
+def spec_for(preset: str, vendor: Vendor) -> dict[str, Any]:
+    accelerator: dict[str, Any] = {"vendor": vendor.value}
+    if vendor is not Vendor.CPU:
+        accelerator |= {"product": PRODUCTS[vendor], "count": 1}
+    return {
+        "model": {"source": f"tiny://{preset}"},
+        "preset": preset,
+        "stages": [{"name": s, "accelerator": accelerator} for s in PRESETS[preset].stage_names],
+    }
+
+
+@pytest.mark.parametrize("vendor", list(Vendor))
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_golden(preset: str, vendor: Vendor) -> None:
+    plan = resolve("demo", "ml", spec_for(preset, vendor), SETTINGS, uid="00000000-0000-0000-0000-000000000001")
+    rendered = yaml.safe_dump_all(render(plan, SETTINGS), sort_keys=True)
+    path = GOLDEN / f"{preset}-{vendor.value}.yaml"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(rendered)
+    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
+    assert rendered == path.read_text(), f"{path.name} changed; review and run with UPDATE_GOLDEN=1"
+
+
+def by_kind_name(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+
+
+def container(deploy: dict[str, Any]) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = deploy["spec"]["template"]["spec"]["containers"]
+    return containers[0]
+
+
+def test_qwen_omni_example_renders_heterogeneous_stages() -> None:
+    doc = yaml.safe_load((REPO / "examples" / "qwen-omni.yaml").read_text())
+    plan = resolve(doc["metadata"]["name"], "ml", doc["spec"], SETTINGS, uid="u")
+    out = by_kind_name(render(plan, SETTINGS))
+
+    thinker = out[("Deployment", "qwen-omni-thinker")]
+    assert container(thinker)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert thinker["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert thinker["spec"]["replicas"] == 2
+    assert container(thinker)["image"].endswith("-cuda")
+
+    talker = out[("Deployment", "qwen-omni-talker")]
+    assert container(talker)["resources"]["limits"] == {"amd.com/gpu": "1"}
+    assert "replicas" not in talker["spec"]  # the HPA owns it
+    hpa = out[("HorizontalPodAutoscaler", "qwen-omni-talker")]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "qwen-omni-talker"
+
+    code2wav = out[("Deployment", "qwen-omni-code2wav")]
+    limits = container(code2wav)["resources"].get("limits", {})
+    assert not any("gpu" in k or "huawei" in k for k in limits)
+    assert "tolerations" not in code2wav["spec"]["template"]["spec"]
+
+    assert out[("Deployment", "qwen-omni-gateway")]["spec"]["replicas"] == 2
+    for name in ("thinker", "talker", "code2wav", "gateway"):
+        assert ("Service", f"qwen-omni-{name}") in out
+    assert ("ConfigMap", "qwen-omni-pipeline") in out
+
+
+def test_stage_container_runs_the_runtime_stage_command() -> None:
+    plan = resolve("m", "ml", spec_for("tts", Vendor.CPU), SETTINGS, uid="u")
+    deploy = by_kind_name(render(plan, SETTINGS))[("Deployment", "m-vocoder")]
+    c = container(deploy)
+    assert c["command"] + c["args"][:4] == [
+        "omnimodel", "stage", "--pipeline", "/etc/omnimodel/pipeline.json", "--stage", "vocoder",
+    ]  # fmt: skip
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_user_overrides_merge_with_accelerator_placement() -> None:
+    spec = spec_for("text", Vendor.NVIDIA)
+    spec["stages"][0] |= {
+        "nodeSelector": {"pool": "a"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+        "resources": {"requests": {"cpu": "4", "memory": "32Gi"}},
+    }
+    deploy = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))[("Deployment", "m-llm")]
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": "a"}
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
+    c = container(deploy)
+    assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4", "memory": "32Gi"}}
+
+
+def test_changing_one_stage_rolls_only_that_stage() -> None:
+    spec = spec_for("qwen2.5-omni", Vendor.CPU)
+    before = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    spec["stages"][1]["engineArgs"] = {"temperature": 0.5}
+    after = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+
+    def template(out: dict[tuple[str, str], dict[str, Any]], name: str) -> Any:
+        return out[("Deployment", name)]["spec"]["template"]
+
+    assert template(before, "m-thinker") == template(after, "m-thinker")
+    assert template(before, "m-talker") != template(after, "m-talker")
+    assert template(before, "m-gateway") != template(after, "m-gateway")
+
+
+def test_network_policy_admits_gateway_and_upstream_stages_only() -> None:
+    out = by_kind_name(render(resolve("m", "ml", spec_for("qwen2.5-omni", Vendor.CPU), SETTINGS, uid="u"), SETTINGS))
+    talker = out[("NetworkPolicy", "m-talker")]["spec"]["ingress"][0]["from"]
+    assert talker[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert talker[1]["podSelector"]["matchExpressions"][0]["values"] == ["thinker"]
+    thinker = out[("NetworkPolicy", "m-thinker")]["spec"]["ingress"][0]["from"]
+    assert len(thinker) == 1
+
+
+def test_api_key_secret_reaches_the_gateway_env() -> None:
+    spec = spec_for("text", Vendor.CPU) | {"gateway": {"apiKeySecret": "omni-key"}}
+    gw = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))[("Deployment", "m-gateway")]
+    env = {e["name"]: e for e in container(gw)["env"]}
+    assert env["OMNIMODEL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "omni-key", "key": "api-key"}
+
+
+def test_pdb_rendered_when_asked() -> None:
+    spec = spec_for("text", Vendor.CPU)
+    spec["stages"][0]["disruption"] = {"minAvailable": 1}
+    out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    assert out[("PodDisruptionBudget", "m-llm")]["spec"]["minAvailable"] == 1
