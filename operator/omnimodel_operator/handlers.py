@@ -90,4 +90,4 @@ async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     parent = await _client().get(C.API_VERSION, C.KIND, body["metadata"]["namespace"], owner["name"])
     if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
         return
-    await _run(kopf.Body(cast(kopf.RawBody, parent)), logger)
+    await _run(kopf.Body(cast("kopf.RawBody", parent)), logger)

@@ -287,8 +287,10 @@ class OmniModelSpec(KubeModel):
                     ".stages",
                 ),
                 cel(
-                    "!has(self.stages) || self.stages.all(s, !has(s.inputs) || s.inputs.all(i, "
-                    f"!(i in {_NAMES}) || {_NAMES}.indexOf(i) < {_NAMES}.indexOf(s.name)))",
+                    # Two-variable comprehensions (index, value) instead of indexOf(): the API
+                    # server's cost estimator treats indexOf on a mapped list as unbounded.
+                    "!has(self.stages) || self.stages.all(k, s, !has(s.inputs) || s.inputs.all(i, "
+                    "!self.stages.exists(t, t.name == i) || self.stages.exists(j, t, j < k && t.name == i)))",
                     "stage inputs must name stages listed before it, so the graph has no cycle",
                     ".stages",
                 ),

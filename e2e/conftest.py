@@ -1,0 +1,48 @@
+"""E2E fixtures: the local control plane (omnimodel_testbed), the CRD, and the real operator process."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omnimodel_testbed.pytest_plugin import ClusterHandle
+from support import Kube, Operator
+
+REPO = Path(__file__).parents[1]
+CRD = REPO / "crds" / "omnimodel.io_omnimodels.yaml"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: ClusterHandle) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s")
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: ClusterHandle, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(cluster, tmp_path_factory.mktemp("operator"))
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+@pytest.fixture
+def kube(cluster: ClusterHandle, operator: Operator) -> Iterator[Kube]:
+    """A fresh namespace per test, deleted afterwards (children go with it)."""
+    ns = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        yield Kube(cluster, ns)
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

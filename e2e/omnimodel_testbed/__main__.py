@@ -1,0 +1,110 @@
+"""Command line: ``python -m omnimodel_testbed up|down|status|kubeconfig|helm-path|build|netns``.
+
+Only the requested value goes to stdout (so ``$(python -m omnimodel_testbed
+kubeconfig)`` works); progress and diagnostics go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .binaries import BuildError, ensure_built, run_build_script
+from .cluster import Cluster, ClusterError, default_state_dir
+from .netns import NETNS_POD_CIDR, run_in_netns
+from .procs import ReadinessTimeoutError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m omnimodel_testbed", description=__doc__)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help=f"cluster state directory (default: {default_state_dir()})",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="build if needed, start, wait until ready (idempotent)")
+    up.add_argument("--timeout", type=float, default=180.0, help="readiness deadline in seconds")
+    sub.add_parser("down", help="stop every process of the cluster")
+    sub.add_parser("status", help="print the cluster state as JSON; exit 0 if up, 1 if not")
+    sub.add_parser("kubeconfig", help="print the admin kubeconfig path (exit 1 if not up)")
+    sub.add_parser("helm-path", help="print the helm binary path (builds if needed)")
+    build = sub.add_parser("build", help="build the binaries (no-op when cached); print the bin dir")
+    build.add_argument("--check", action="store_true", help="always run build.sh, even if the cache looks complete")
+    ns = sub.add_parser(
+        "netns",
+        help="run a command in a private network namespace where the pod CIDR is local "
+        "(real EndpointSlices + locally served pod IPs, no root needed)",
+    )
+    ns.add_argument("--pod-cidr", default=NETNS_POD_CIDR, help="pod CIDR routed to lo inside")
+    ns.add_argument("cmd", nargs=argparse.REMAINDER, help="command (after --)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="[testbed %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("omnimodel_testbed")
+    try:
+        if args.command == "build":
+            tc = run_build_script() if args.check else ensure_built()
+            print(tc.bin_dir)
+            return 0
+        if args.command == "netns":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return run_in_netns(cmd, pod_cidr=args.pod_cidr, state_dir=args.state_dir)
+        if args.command == "helm-path":
+            print(ensure_built().path("helm"))
+            return 0
+        cluster = Cluster(args.state_dir)
+        if args.command == "up":
+            cluster.timeout = args.timeout
+            t0 = time.monotonic()
+            state = cluster.up()
+            log.info(
+                "ready after %.1fs (%s); kubeconfig: %s",
+                time.monotonic() - t0,
+                "started" if state.started_here else "reused",
+                state.kubeconfig,
+            )
+            print(state.kubeconfig)
+            return 0
+        if args.command == "down":
+            stopped = cluster.down()
+            for rec in stopped:
+                log.info("stopped %s (pid %d)", rec.name, rec.pid)
+            if not stopped:
+                log.info("nothing running")
+            return 0
+        if args.command == "status":
+            st = cluster.status()
+            print(json.dumps(st, indent=2))
+            return 0 if st["up"] else 1
+        if args.command == "kubeconfig":
+            current = cluster.load_state()
+            if current is None or not cluster.healthy(current):
+                log.error("no running cluster in %s (run `up` first)", cluster.state_dir)
+                return 1
+            print(current.kubeconfig)
+            return 0
+    except (BuildError, ClusterError, ReadinessTimeoutError) as exc:
+        log.error("%s", exc)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Run a command in a private network namespace where a non-loopback pod CIDR is local.
+
+Why: kwok can hand pods loopback IPs (127.x) that a test can bind without
+privileges, but EndpointSlice/Endpoints validation rejects loopback
+addresses, so Services over such pods never get endpoints. A range such as
+10.244.0.0/16 is accepted by the apiserver; making it *local* needs
+``ip route add local 10.244.0.0/16 dev lo``, which needs CAP_NET_ADMIN. An
+unprivileged user namespace grants exactly that, for a private network
+namespace only: nothing on the host changes, and nothing inside can reach
+the outside network (the test bed needs none).
+
+Everything that talks to the cluster (tests, kubectl, helm, the operator)
+must run inside the same namespace, because the cluster's 127.0.0.1 ports
+exist only there. The command therefore gets its own state dir, and the
+cluster it started (if any) is stopped afterwards by PID from outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .binaries import cache_root
+from .cluster import Cluster, ClusterError
+
+__all__ = ["NETNS_POD_CIDR", "netns_argv", "run_in_netns"]
+
+log = logging.getLogger("omnimodel_testbed")
+
+#: Pod CIDR used inside the namespace (kube-flannel's conventional default).
+NETNS_POD_CIDR = "10.244.0.0/16"
+
+_SETUP = 'set -e; "$1" link set lo up; "$1" route add local "$2" dev lo; shift 2; exec "$@"'
+
+
+def _which(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+    if path is None:
+        raise ClusterError(f"`{name}` not found (needed for the network namespace)")
+    return path
+
+
+def netns_argv(cmd: Sequence[str], pod_cidr: str = NETNS_POD_CIDR) -> list[str]:
+    """argv that runs ``cmd`` in a fresh user+network namespace with ``pod_cidr`` local on lo."""
+    return [
+        _which("unshare"),
+        "--user",
+        "--map-root-user",
+        "--net",
+        "--",
+        "/bin/sh",
+        "-c",
+        _SETUP,
+        "sh",
+        _which("ip"),
+        pod_cidr,
+        *cmd,
+    ]
+
+
+def run_in_netns(
+    cmd: Sequence[str],
+    *,
+    pod_cidr: str = NETNS_POD_CIDR,
+    state_dir: Path | None = None,
+) -> int:
+    """Run ``cmd`` inside the namespace; return its exit code.
+
+    ``OMNIMODEL_TESTBED_POD_CIDR`` and ``OMNIMODEL_TESTBED_STATE_DIR`` are set
+    for the command, so ``python -m omnimodel_testbed up`` and the pytest
+    fixture inside it pick them up. A temporary state dir is removed after a
+    successful run and kept (for its logs) after a failed one.
+    """
+    if not cmd:
+        raise ClusterError("no command given")
+    own_dir = state_dir is None
+    if state_dir is None:
+        parent = cache_root() / "netns"
+        parent.mkdir(parents=True, exist_ok=True)
+        state_dir = Path(tempfile.mkdtemp(prefix="run-", dir=parent))
+    env = dict(os.environ)
+    env["OMNIMODEL_TESTBED_POD_CIDR"] = pod_cidr
+    env["OMNIMODEL_TESTBED_STATE_DIR"] = str(state_dir)
+    env.pop("OMNIMODEL_KUBECONFIG", None)  # a host cluster is unreachable from inside
+    try:
+        rc = subprocess.run(netns_argv(cmd, pod_cidr), env=env, check=False).returncode
+    finally:
+        # PIDs are shared with the host, so a cluster left running inside
+        # (which keeps the namespace alive) is stopped from here by PID.
+        stopped = Cluster(state_dir).down()
+        for rec in stopped:
+            log.info("stopped leftover %s (pid %d)", rec.name, rec.pid)
+    if own_dir and rc == 0:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    elif own_dir:
+        log.info("state (logs) of the failed run kept in %s", state_dir)
+    return rc

@@ -1,0 +1,156 @@
+"""Helpers for the e2e suites: polling, the operator process, kubectl scoped to a namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from omnimodel_testbed.pytest_plugin import ClusterHandle, kubectl_binary
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25, what: str = "") -> Any:
+    """Poll until ``predicate`` returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
+
+
+class Operator:
+    """`omnimodel-operator run` as a subprocess against the test cluster; stopped by PID."""
+
+    def __init__(self, cluster: ClusterHandle, log_dir: Path) -> None:
+        self.cluster = cluster
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        port = _free_port()
+        log_path = self.log_dir / f"operator-{self.starts}.log"
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.cluster.kubeconfig),
+            # A short status cadence keeps waits short; child events make most updates immediate anyway.
+            "OMNIMODEL_STATUS_INTERVAL": "1",
+        }
+        with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
+            self.proc = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "omnimodel-operator"),
+                    "run",
+                    "--liveness",
+                    f"http://127.0.0.1:{port}/healthz",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+        def alive() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, f"operator exited, see {log_path}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(alive, 60, what="operator liveness endpoint")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup handlers run, as when a pod is evicted mid-reconcile."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Kube:
+    """kubectl scoped to one test namespace, with JSON helpers."""
+
+    def __init__(self, cluster: ClusterHandle, namespace: str) -> None:
+        self.cluster = cluster
+        self.ns = namespace
+
+    def run(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [*args, "-n", self.ns]
+        if stdin is None:
+            return self.cluster.kubectl(*cmd, check=check)
+        return subprocess.run(
+            [kubectl_binary(), f"--kubeconfig={self.cluster.kubeconfig}", *cmd],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=60,
+        )
+
+    def apply(self, manifest: dict[str, Any] | str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        return self.run("apply", "-f", "-", check=check, stdin=text)
+
+    def get(self, kind: str, name: str | None = None, selector: str | None = None) -> Any:
+        args = ["get", kind, *([name] if name else []), "-o", "json"]
+        if selector:
+            args += ["-l", selector]
+        result = self.run(*args, check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def condition(self, name: str, type_: str = "Ready") -> dict[str, Any] | None:
+        obj = self.get("omnimodel", name)
+        for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+            if c["type"] == type_:
+                return dict(c)
+        return None
+
+    def wait_ready(self, name: str, timeout: float = 90) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            c = self.condition(name)
+            obj = self.get("omnimodel", name)
+            gen = (obj or {}).get("metadata", {}).get("generation")
+            if c and c["status"] == "True" and c.get("observedGeneration") == gen:
+                return c
+            return None
+
+        result: dict[str, Any] = wait_for(ready, timeout, what=f"{name} Ready=True")
+        return result
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get("pods", selector=selector)["items"]
+        return items
+
+    def node(self, name: str) -> dict[str, Any]:
+        node: dict[str, Any] = json.loads(self.cluster.kubectl("get", "node", name, "-o", "json").stdout)
+        return node

@@ -1,0 +1,259 @@
+"""The operator on a real control plane: apply, schedule, roll out, scale, prune, delete, restart."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from support import Kube, Operator, wait_for
+
+REPO = Path(__file__).parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+STAGE = "omnimodel.io/stage"
+
+
+def example(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
+    return doc
+
+
+def stage_pods(kube: Kube, cr: str, stage: str) -> list[dict[str, Any]]:
+    return kube.pods(f"app.kubernetes.io/instance={cr},{STAGE}={stage}")
+
+
+def node_labels(kube: Kube, pod: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = kube.node(pod["spec"]["nodeName"])["metadata"].get("labels", {})
+    return labels
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_applies_and_becomes_ready(kube: Kube, path: Path) -> None:
+    result = kube.run("apply", "-f", str(path))
+    assert "created" in result.stdout
+    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    kube.wait_ready(name)
+    table = kube.run("get", "omni", name).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "STAGES", "ENDPOINT", "AGE"]
+    row = table[1].split()
+    stages = len(kube.get("omnimodel", name)["status"]["stages"])
+    assert row[:4] == [name, "True", f"{stages}/{stages}", f"http://{name}-gateway.{kube.ns}.svc:8000"]
+
+
+def test_stages_land_on_the_requested_accelerators(kube: Kube) -> None:
+    kube.apply(example("qwen-omni.yaml"))
+    kube.wait_ready("qwen-omni")
+
+    thinker = stage_pods(kube, "qwen-omni", "thinker")
+    assert len(thinker) == 2
+    for pod in thinker:
+        assert node_labels(kube, pod)["nvidia.com/gpu.product"] == "NVIDIA-H200"
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    (talker,) = stage_pods(kube, "qwen-omni", "talker")
+    assert node_labels(kube, talker)["amd.com/gpu.product-name"] == "AMD_Instinct_MI300X"
+    (code2wav,) = stage_pods(kube, "qwen-omni", "code2wav")
+    labels = node_labels(kube, code2wav)
+    assert not any(k.startswith(("nvidia.com", "amd.com", "accelerator")) for k in labels), labels
+    for pod in kube.pods("app.kubernetes.io/instance=qwen-omni,app.kubernetes.io/component=gateway"):
+        assert "nvidia.com/gpu.present" not in node_labels(kube, pod)
+    hpa = kube.get("hpa", "qwen-omni-talker")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+
+
+def test_product_pin_is_honoured_even_when_other_products_are_free(kube: Kube) -> None:
+    """No B200 node exists; H200s have free GPUs. The pin must keep the stage Pending, not settle for H200."""
+    doc = example("text-tiny.yaml")
+    doc["spec"]["stages"][0]["accelerator"] = {"vendor": "nvidia", "product": "B200", "count": 1}
+    kube.apply(doc)
+
+    def insufficient() -> dict[str, Any] | None:
+        c = kube.condition("text-tiny")
+        return c if c and c["reason"] == "InsufficientCapacity" else None
+
+    ready = wait_for(insufficient, 60, what="Ready=False/InsufficientCapacity")
+    assert "node affinity/selector" in ready["message"]
+    (pod,) = stage_pods(kube, "text-tiny", "llm")
+    assert "nodeName" not in pod["spec"]
+
+
+def test_stage_asking_for_more_devices_than_any_node_has_stays_pending(kube: Kube) -> None:
+    doc = example("text-tiny.yaml")
+    doc["spec"]["stages"][0]["accelerator"] = {"vendor": "nvidia", "product": "H200", "count": 16}
+    kube.apply(doc)
+
+    def insufficient() -> dict[str, Any] | None:
+        c = kube.condition("text-tiny")
+        return c if c and c["reason"] == "InsufficientCapacity" else None
+
+    ready = wait_for(insufficient, 60, what="Ready=False/InsufficientCapacity")
+    assert ready["status"] == "False"
+    assert "llm" in ready["message"] and "Insufficient nvidia.com/gpu" in ready["message"]
+    stages = {s["name"]: s for s in kube.get("omnimodel", "text-tiny")["status"]["stages"]}
+    assert "Insufficient nvidia.com/gpu" in stages["llm"]["message"]
+    (pod,) = stage_pods(kube, "text-tiny", "llm")
+    assert pod["status"]["phase"] == "Pending"
+
+
+def test_replicas_patch_is_followed(kube: Kube) -> None:
+    kube.apply(example("text-tiny.yaml"))
+    kube.wait_ready("text-tiny")
+    kube.run(
+        "patch", "omni", "text-tiny", "--type=json",
+        "-p", '[{"op": "add", "path": "/spec/stages/0/replicas", "value": 3}]',
+    )  # fmt: skip
+    wait_for(lambda: kube.get("deployment", "text-tiny-llm")["spec"]["replicas"] == 3, 30, what="replicas=3")
+    kube.wait_ready("text-tiny")
+    assert kube.get("omnimodel", "text-tiny")["status"]["stages"][0]["readyReplicas"] == 3
+    assert len(stage_pods(kube, "text-tiny", "llm")) == 3
+
+
+def test_image_change_rolls_out_with_progressing_then_ready(kube: Kube) -> None:
+    kube.apply(example("tts.yaml"))
+    kube.wait_ready("speech")
+    kube.run("patch", "omni", "speech", "--type=merge", "-p", '{"spec": {"runtime": {"image": "example.org/rt:2"}}}')
+    kube.wait_ready("speech")
+    for deploy in ("speech-acoustic", "speech-vocoder", "speech-gateway"):
+        image = kube.get("deployment", deploy)["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == "example.org/rt:2"
+    events = kube.get("events")["items"]
+    rolling = [e for e in events if e["reason"] == "RollingOut" and e["involvedObject"]["name"] == "speech"]
+    # one for the initial rollout, one for the image change — each names what is rolling
+    assert len(rolling) >= 2
+    assert "acoustic" in rolling[-1]["message"]
+    assert any(e["reason"] == "Ready" for e in events)
+
+
+def test_removed_stage_children_are_deleted(kube: Kube) -> None:
+    doc = example("custom-graph.yaml")
+    doc["spec"]["stages"].append(
+        {"name": "extra", "kind": "ar", "engine": "transformers", "task": "text-generation", "inputs": ["generate"]}
+    )
+    kube.apply(doc)
+    kube.wait_ready("custom-chat")
+    assert kube.get("deployment", "custom-chat-extra") is not None
+    doc["spec"]["stages"].pop()
+    kube.apply(doc)
+    wait_for(lambda: kube.get("deployment", "custom-chat-extra") is None, 30, what="extra Deployment deleted")
+    assert kube.get("service", "custom-chat-extra") is None
+    assert kube.get("deployment", "custom-chat-generate") is not None
+    kube.wait_ready("custom-chat")
+
+
+def test_deleting_the_omnimodel_garbage_collects_everything(kube: Kube) -> None:
+    kube.apply(example("text-to-image.yaml"))
+    kube.wait_ready("qwen-image")
+    selector = "app.kubernetes.io/instance=qwen-image"
+    assert kube.get("deployments", selector=selector)["items"]
+    kube.run("delete", "omni", "qwen-image", "--wait=true")
+    for kind in ("deployments", "services", "configmaps", "pods", "poddisruptionbudgets", "networkpolicies"):
+        wait_for(lambda kind=kind: not kube.get(kind, selector=selector)["items"], 60, what=f"{kind} collected")
+
+
+def test_operator_restart_mid_reconcile_creates_no_duplicates(kube: Kube, operator: Operator) -> None:
+    kube.apply(example("qwen-omni.yaml"))
+    # kill as soon as the first child exists, i.e. while it is still applying the rest
+    wait_for(lambda: kube.get("configmap", "qwen-omni-pipeline"), 30, what="first child")
+    operator.kill()
+    operator.start()
+    kube.wait_ready("qwen-omni")
+    deployments = kube.get("deployments", selector="app.kubernetes.io/instance=qwen-omni")["items"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == [
+        "qwen-omni-code2wav", "qwen-omni-gateway", "qwen-omni-talker", "qwen-omni-thinker",
+    ]  # fmt: skip
+    services = kube.get("services", selector="app.kubernetes.io/instance=qwen-omni")["items"]
+    assert len(services) == 4
+    assert len(stage_pods(kube, "qwen-omni", "thinker")) == 2
+
+
+# ------------------------------------------------------------------------------------------ CEL rules
+
+
+def _bad(mutate: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(example("qwen-omni.yaml"))
+    doc["metadata"]["name"] = "bad"
+    mutate(doc["spec"])
+    return doc
+
+
+def _custom(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "omnimodel.io/v1alpha1",
+        "kind": "OmniModel",
+        "metadata": {"name": "bad"},
+        "spec": {"model": {"source": "tiny://text"}, "stages": stages},
+    }
+
+
+def _stage(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "kind": "ar", "engine": "vllm", "task": "text-generation", **extra}
+
+
+REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("negative replicas", _bad(lambda s: s["stages"][0].update(replicas=-1)), ["spec.stages[0].replicas", "0"]),
+    (
+        "min above max",
+        _bad(lambda s: s["stages"][1]["autoscaling"].update(minReplicas=5)),
+        ["spec.stages[1].autoscaling.minReplicas", "must not exceed maxReplicas"],
+    ),
+    (
+        "replicas and autoscaling",
+        _bad(lambda s: s["stages"][1].update(replicas=2)),
+        ["spec.stages[1].replicas", "mutually exclusive"],
+    ),
+    (
+        "zero devices",
+        _bad(lambda s: s["stages"][0]["accelerator"].update(count=0)),
+        ["spec.stages[0].accelerator.count", "at least 1"],
+    ),
+    (
+        "cpu with devices",
+        _bad(lambda s: s["stages"][2]["accelerator"].update(count=2)),
+        ["spec.stages[2].accelerator", "cpu accelerator takes neither count nor product"],
+    ),
+    (
+        "stage not in preset",
+        _bad(lambda s: s["stages"].append({"name": "talkr"})),
+        ["spec.stages", "named like one of the preset's stages"],
+    ),
+    (
+        "preset graph changed",
+        _bad(lambda s: s["stages"][0].update(inputs=["talker"])),
+        ["spec.stages", "a preset fixes the graph"],
+    ),
+    (
+        "duplicate stage",
+        _bad(lambda s: s["stages"].append({"name": "thinker"})),
+        ["spec.stages[3]", "Duplicate value"],
+    ),
+    ("empty image", _bad(lambda s: s.update(runtime={"image": ""})), ["spec.runtime.image"]),
+    ("empty source", _bad(lambda s: s["model"].update(source="")), ["spec.model.source"]),
+    ("unknown scheme", _bad(lambda s: s["model"].update(source="ftp://x")), ["spec.model.source"]),
+    ("no preset, no stages", _custom([]), ["spec.stages", "must describe the graph"]),
+    (
+        "missing task",
+        _custom([{"name": "a", "kind": "ar", "engine": "vllm", "outputs": ["text"]}]),
+        ["spec.stages", "needs engine, kind and task"],
+    ),
+    (
+        "unknown input",
+        _custom([_stage("a", outputs=["text"]), _stage("b", inputs=["zzz"])]),
+        ["spec.stages", "must name stages of this OmniModel"],
+    ),
+    (
+        "cycle",
+        _custom([_stage("a", inputs=["b"], outputs=["text"]), _stage("b", inputs=["a"])]),
+        ["spec.stages", "no cycle"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "doc", "expected"), REJECTIONS, ids=[r[0] for r in REJECTIONS])
+def test_api_server_rejects_invalid_objects(kube: Kube, case: str, doc: dict[str, Any], expected: list[str]) -> None:
+    result = kube.apply(doc, check=False)
+    assert result.returncode != 0, f"{case}: accepted"
+    for text in expected:
+        assert text in result.stderr, f"{case}: {text!r} not in {result.stderr!r}"
+    assert kube.get("omnimodel", "bad") is None

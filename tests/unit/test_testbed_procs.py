@@ -1,0 +1,54 @@
+"""Process bookkeeping: stop by PID, never signal a recycled PID, fail fast on crashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnimodel_testbed import procs
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_start_then_stop_by_pid(tmp_path: Path) -> None:
+    rec = procs.start("sleeper", SLEEPER, tmp_path / "s.log")
+    assert procs.is_alive(rec)
+    # A record loaded back from JSON (as `down` in another process does) is enough to stop it.
+    again = procs.ProcessRecord.from_json(rec.to_json())
+    assert procs.stop([again], grace=5) == [again]
+    assert not procs.is_alive(rec)
+
+
+def test_recycled_pid_is_never_signalled(tmp_path: Path) -> None:
+    rec = procs.start("sleeper", SLEEPER, tmp_path / "s.log")
+    try:
+        impostor = dataclasses.replace(rec, start_ticks=rec.start_ticks + 1)
+        assert not procs.is_alive(impostor)
+        assert procs.stop([impostor]) == []
+        assert procs.is_alive(rec)
+    finally:
+        procs.stop([rec], grace=5)
+
+
+def test_wait_until_fails_fast_with_log_when_process_dies(tmp_path: Path) -> None:
+    rec = procs.start("crasher", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path / "c.log")
+    with pytest.raises(procs.ReadinessTimeoutError, match="exited while waiting") as info:
+        procs.wait_until("never", lambda: False, timeout=60, watch=[rec])
+    assert "boom" in str(info.value)
+    procs.stop([rec])
+
+
+def test_wait_until_times_out_with_last_error() -> None:
+    def probe() -> bool:
+        raise ConnectionRefusedError("nope")
+
+    with pytest.raises(procs.ReadinessTimeoutError, match="ConnectionRefusedError"):
+        procs.wait_until("probe", probe, timeout=0.3, interval=0.05)
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = procs.free_ports(6)
+    assert len(set(ports)) == 6
