@@ -16,8 +16,20 @@ venv: ## Create .venv with every extra (CPU torch from ../shared/wheels when pre
 	./.ci/setup-venv
 
 .PHONY: crds
-crds: ## Regenerate crds/ from the pydantic API models
+crds: ## Regenerate crds/ and the chart's CRD template from the pydantic API models
 	$(VENV_BIN)omnimodel-operator crd > crds/omnimodel.io_omnimodels.yaml
+	$(PY) charts/omnimodel-operator/hack/gen_crd.py
+
+.PHONY: chart-generate chart-lint images
+chart-generate: ## Regenerate the chart's CRD template and values.schema.json
+	$(PY) charts/omnimodel-operator/hack/gen_crd.py
+	$(PY) charts/omnimodel-operator/hack/gen_values_schema.py
+
+chart-lint: cluster-build ## helm lint --strict the chart
+	"$$($(PY) -m omnimodel_testbed helm-path)" lint --strict charts/omnimodel-operator
+
+images: ## Build operator + runtime images with their default tags (needs docker; DRY_RUN=1 prints)
+	PY=$(PY) docker/build-images.sh
 
 .PHONY: lint
 lint: ## ruff (lint + format check), mypy --strict, import-linter
@@ -25,6 +37,7 @@ lint: ## ruff (lint + format check), mypy --strict, import-linter
 	$(VENV_BIN)ruff format --check .
 	$(VENV_BIN)mypy operator/omnimodel_operator runtime/omnimodel_runtime $(wildcard e2e/omnimodel_testbed)
 	$(VENV_BIN)lint-imports
+	$(VENV_BIN)hadolint --failure-threshold style docker/*.Dockerfile
 
 .PHONY: fmt
 fmt: ## Format and auto-fix
@@ -32,7 +45,7 @@ fmt: ## Format and auto-fix
 	$(VENV_BIN)ruff check --fix .
 
 .PHONY: unit
-unit: ## Unit and component tests (no cluster)
+unit: cluster-build ## Unit and component tests (no cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 .PHONY: e2e
@@ -40,7 +53,7 @@ e2e: cluster-build ## End-to-end tests on the local control plane (starts and st
 	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
 
 .PHONY: test
-test: lint ## Everything CI runs: lint, unit, component and e2e tests
+test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
 	$(PY) -m pytest tests e2e $(PYTEST_ARGS)
 
 .PHONY: render

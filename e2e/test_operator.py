@@ -257,3 +257,45 @@ def test_api_server_rejects_invalid_objects(kube: Kube, case: str, doc: dict[str
     for text in expected:
         assert text in result.stderr, f"{case}: {text!r} not in {result.stderr!r}"
     assert kube.get("omnimodel", "bad") is None
+
+
+class CountingKube:
+    """The real client, counting every call that writes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.writes: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name in ("apply", "delete", "patch_status", "create"):
+
+            async def counted(*args: Any, **kwargs: Any) -> Any:
+                self.writes.append(name)
+                return await attr(*args, **kwargs)
+
+            return counted
+        return attr
+
+
+async def test_noop_reconcile_makes_no_api_writes_against_the_real_server(kube: Kube) -> None:
+    """Server defaulting and omitempty must not make every pass re-apply (DESIGN §8: writes = 0)."""
+    from omnimodel_operator.kube import HttpKube, load_connection
+    from omnimodel_operator.reconcile import reconcile
+    from omnimodel_operator.settings import OperatorSettings
+
+    for name in ("qwen-omni.yaml", "text-to-image.yaml", "tts.yaml", "custom-graph.yaml"):
+        kube.apply(example(name))
+    for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
+        kube.wait_ready(name)
+    client = HttpKube(load_connection(str(kube.cluster.kubeconfig)))
+    counting = CountingKube(client)
+    try:
+        for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
+            body = await client.get("omnimodel.io/v1alpha1", "OmniModel", kube.ns, name)
+            assert body is not None
+            outcome = await reconcile(counting, body, OperatorSettings())
+            assert outcome.applied == [], name
+    finally:
+        await client.aclose()
+    assert counting.writes == []

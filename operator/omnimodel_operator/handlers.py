@@ -53,6 +53,9 @@ async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
         try:
             outcome = await reconcile(_client(), body, SETTINGS)
         except ApiError as err:
+            if err.status == 404:  # deleted while we worked; garbage collection does the rest
+                logger.debug(f"Stopped reconciling: {err}")
+                return
             if err.transient:
                 raise kopf.TemporaryError(f"API error, will retry: {err}", delay=5) from err
             raise
@@ -87,7 +90,11 @@ async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     )
     if owner is None:
         return
-    parent = await _client().get(C.API_VERSION, C.KIND, body["metadata"]["namespace"], owner["name"])
+    try:
+        parent = await _client().get(C.API_VERSION, C.KIND, body["metadata"]["namespace"], owner["name"])
+    except ApiError as err:
+        logger.debug(f"Skipped status refresh of {owner['name']}: {err}")
+        return
     if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
         return
     await _run(kopf.Body(cast("kopf.RawBody", parent)), logger)

@@ -304,6 +304,8 @@ class FakeKube:
         """Create an object as a user would (kubectl create); returns the stored copy."""
         obj = copy.deepcopy(manifest)
         meta = obj.setdefault("metadata", {})
+        if "name" not in meta and "generateName" in meta:
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta.setdefault("namespace", "default")
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("generation", 1)
@@ -397,5 +399,6 @@ class FakeKube:
 
     async def create(self, manifest: Manifest) -> Manifest:
         self._check_fail()
-        self.writes.append(("create", manifest["kind"], manifest["metadata"].get("name", "")))
+        meta = manifest["metadata"]
+        self.writes.append(("create", manifest["kind"], meta.get("name") or meta.get("generateName", "")))
         return self.put(manifest)

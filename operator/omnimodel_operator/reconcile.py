@@ -6,7 +6,6 @@ update and resume, by the status timer and on child events; the kopf handlers on
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -55,13 +54,25 @@ def _ref(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['kind']} {manifest['metadata'].get('namespace', '')}/{manifest['metadata']['name']}"
 
 
+# Values the API server drops on the way in (Go `omitempty`), so a missing key matches them.
+_EMPTY: tuple[Any, ...] = ("", None, False, 0)
+
+
 def is_subset(want: Any, have: Any) -> bool:
     """Every field we set is present with the same value (extra fields — defaults — are fine)."""
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        return isinstance(have, Mapping) and all(
+            is_subset(v, have[k]) if k in have else _is_empty(v) for k, v in want.items()
+        )
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
     return bool(want == have)
+
+
+def _is_empty(value: Any) -> bool:
+    if isinstance(value, (Mapping, list)):
+        return not value
+    return any(value is e or (type(value) is type(e) and value == e) for e in _EMPTY)
 
 
 def needs_apply(desired: Manifest, live: Manifest | None) -> bool:
@@ -208,11 +219,11 @@ def invalid_status(err: InvalidSpec, old: Mapping[str, Any], generation: int | N
 
 def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
     meta = body["metadata"]
-    digest = hashlib.sha256(f"{meta.get('uid')}{reason}{message}{now}".encode()).hexdigest()[:10]
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
+        # generateName: the server picks a unique suffix, so two events in one second never collide.
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {
             "apiVersion": C.API_VERSION,
             "kind": C.KIND,

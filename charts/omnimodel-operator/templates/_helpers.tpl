@@ -1,0 +1,126 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "omnimodel-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Create a default fully qualified app name.
+We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
+If release name contains chart name it will be used as a full name.
+*/}}
+{{- define "omnimodel-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Create chart name and version as used by the chart label.
+*/}}
+{{- define "omnimodel-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels naming the release, without app.kubernetes.io/name: the CRD keeps its own name label.
+*/}}
+{{- define "omnimodel-operator.releaseLabels" -}}
+helm.sh/chart: {{ include "omnimodel-operator.chart" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Common labels
+*/}}
+{{- define "omnimodel-operator.labels" -}}
+helm.sh/chart: {{ include "omnimodel-operator.chart" . }}
+{{ include "omnimodel-operator.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: omnimodel
+{{- end }}
+
+{{/*
+Labels of the `helm test` Job and its pod: not the operator's selector labels, so that the test pod
+never looks like an operator pod.
+*/}}
+{{- define "omnimodel-operator.testLabels" -}}
+{{ include "omnimodel-operator.releaseLabels" . }}
+app.kubernetes.io/name: {{ include "omnimodel-operator.name" . }}-test
+app.kubernetes.io/component: test
+app.kubernetes.io/part-of: omnimodel
+{{- end }}
+
+{{/*
+Selector labels
+*/}}
+{{- define "omnimodel-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "omnimodel-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Create the name of the service account to use
+*/}}
+{{- define "omnimodel-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "omnimodel-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator image: repository:tag, or repository@digest when a digest pins it.
+*/}}
+{{- define "omnimodel-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Runtime image variant per accelerator vendor: the image_variant column of
+omnimodel_operator/accelerators.py (a unit test keeps the two equal).
+*/}}
+{{- define "omnimodel-operator.runtimeVariants" -}}
+{{- dict "nvidia" "cuda" "amd" "rocm" "intel" "xpu" "ascend" "cann" "cpu" "cpu" | toJson }}
+{{- end }}
+
+{{/*
+OMNIMODEL_RUNTIME_IMAGES: a JSON object vendor → image, every vendor present. The default for a vendor
+is <runtime.repository>:<runtime.tag or appVersion>-<variant>, exactly what the operator would pick
+itself (omnimodel_operator.settings.DEFAULT_RUNTIME_IMAGES); runtime.images replaces single vendors.
+*/}}
+{{- define "omnimodel-operator.runtimeImages" -}}
+{{- $tag := .Values.runtime.tag | default .Chart.AppVersion }}
+{{- $images := dict }}
+{{- range $vendor, $variant := include "omnimodel-operator.runtimeVariants" . | fromJson }}
+{{- $_ := set $images $vendor (printf "%s:%s-%s" $.Values.runtime.repository $tag $variant) }}
+{{- end }}
+{{- range $vendor, $image := .Values.runtime.images }}
+{{- if not (hasKey $images $vendor) }}
+{{- fail (printf "runtime.images: unknown accelerator vendor %q (known: amd, ascend, cpu, intel, nvidia)" $vendor) }}
+{{- end }}
+{{- $_ := set $images $vendor $image }}
+{{- end }}
+{{- $images | toJson }}
+{{- end }}

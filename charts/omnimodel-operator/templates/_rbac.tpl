@@ -1,0 +1,81 @@
+{{/*
+RBAC rules: exactly the kinds and verbs the operator uses (omnimodel_operator/kube.py, reconcile.py,
+handlers.py) plus what kopf itself needs (https://kopf.readthedocs.io/en/stable/deployment/), each
+commented with its purpose. No wildcards; no Secrets (a gateway's apiKeySecret is only referenced by
+name in the pod spec, never read). tests/unit/chart checks these rules against that list.
+*/}}
+
+{{/*
+Rules for the namespaces the operator reconciles: a ClusterRole in cluster-wide mode, a Role in each of
+watchNamespaces otherwise.
+*/}}
+{{- define "omnimodel-operator.rbac.namespacedRules" -}}
+# OmniModels: kopf lists and watches them and patches them with its bookkeeping annotations and the
+# finalizer its status timer needs; the operator gets an OmniModel when one of its Deployments changes.
+- apiGroups: ["omnimodel.io"]
+  resources: ["omnimodels"]
+  verbs: ["get", "list", "watch", "patch"]
+# Status (conditions, per-stage replicas, endpoint) is written only through the status subresource.
+- apiGroups: ["omnimodel.io"]
+  resources: ["omnimodels/status"]
+  verbs: ["patch"]
+# Children of each OmniModel: server-side apply (a PATCH, which needs create when the object is new),
+# list by label to prune and to read rollout state, delete those the spec no longer asks for.
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["create", "patch", "list", "delete"]
+# Stage and gateway Deployments, as above, plus watch: kopf's child-event handler refreshes the owner's
+# status as soon as a rollout progresses.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["create", "patch", "list", "watch", "delete"]
+# Per-stage HorizontalPodAutoscalers (stages with spec.autoscaling).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["create", "patch", "list", "delete"]
+# Per-stage PodDisruptionBudgets.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch", "list", "delete"]
+# Per-stage NetworkPolicies (operator.networkPolicy); listed for pruning even when disabled.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch", "list", "delete"]
+# Pods, read-only: explain a stage that is not ready (Unschedulable, ImagePullBackOff) in its status.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+# Events on OmniModels: the operator's Ready transitions and kopf's handler warnings.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+Cluster-scoped reads kopf needs in every mode.
+*/}}
+{{- define "omnimodel-operator.rbac.clusterRules" -}}
+# kopf's resource observer: lists and watches CRDs to notice the OmniModel CRD being (re)installed.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/*
+Cluster-scoped reads kopf needs only when it watches a list of namespaces.
+*/}}
+{{- define "omnimodel-operator.rbac.namespaceObserverRules" -}}
+# kopf's namespace observer: lists and watches namespaces to match watchNamespaces (without it kopf
+# logs a warning and never notices a watched namespace being recreated).
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/*
+Name of the cluster-scoped RBAC objects: prefixed with the release namespace, so that two releases of
+the same name in different namespaces do not fight over one ClusterRole.
+*/}}
+{{- define "omnimodel-operator.clusterRoleName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "omnimodel-operator.fullname" .) }}
+{{- end }}

@@ -1,0 +1,449 @@
+"""The operator chart, rendered with ``helm template``: every toggle, the RBAC contract with the operator,
+the settings contract (env → OperatorSettings), generated files in sync, manifests valid for 1.36."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chartkit import (
+    CHART,
+    KUBE_VERSION,
+    NAMESPACE,
+    REPO,
+    Manifest,
+    Render,
+    RenderError,
+    env_of,
+    find,
+    kinds,
+    operator_container,
+    run_helm,
+)
+
+from omnimodel_operator import __version__
+from omnimodel_operator import constants as C
+from omnimodel_operator.accelerators import ACCELERATORS
+from omnimodel_operator.builders import CHILD_KINDS
+from omnimodel_operator.crdgen import build_crd
+from omnimodel_operator.kube import RESOURCES
+from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
+
+FULLNAME = "omni-omnimodel-operator"
+CLUSTER_ROLE = f"{NAMESPACE}-{FULLNAME}"
+CHART_YAML = yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+# Every mode the tests render; kubernetes-validate checks each of them.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"watchNamespaces": ["ml", "team-a"]},
+    "no-crds-no-rbac": {"crds": {"enabled": False}, "rbac": {"create": False}, "serviceAccount": {"create": False}},
+    "everything-set": {
+        "image": {"repository": "registry.local/op", "tag": "dev", "pullPolicy": "Always"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "crds": {"keep": False},
+        "runtime": {"repository": "registry.local/rt", "tag": "1.2.3", "images": {"cpu": "registry.local/cpu:x"}},
+        "operator": {
+            "statusInterval": 2.5,
+            "networkPolicy": False,
+            "healthPort": 9090,
+            "verbose": True,
+            "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        },
+        "serviceAccount": {"annotations": {"iam.example.com/role": "omni"}},
+        "podAnnotations": {"a": "b"},
+        "podLabels": {"team": "ml"},
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}
+                    ]
+                }
+            }
+        },
+        "priorityClassName": "system-cluster-critical",
+    },
+}
+
+
+def rules_of(role: Manifest) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def expected_namespaced_rules() -> dict[tuple[str, str], set[str]]:
+    """What the operator does in a namespace it reconciles, derived from its own tables."""
+    rules: dict[tuple[str, str], set[str]] = {
+        # kopf: list/watch to handle, patch for annotations + finalizer; handlers.child_changed: get.
+        (C.GROUP, C.PLURAL): {"get", "list", "watch", "patch"},
+        # reconcile._write_status: merge patch of the status subresource.
+        (C.GROUP, f"{C.PLURAL}/status"): {"patch"},
+        # reconcile: list pods of the stages to explain Ready=False.
+        ("", "pods"): {"list"},
+        # reconcile._transition_events and kopf's warnings.
+        ("", "events"): {"create"},
+    }
+    for api_version, kind in CHILD_KINDS:
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        plural, namespaced = RESOURCES[(api_version, kind)]
+        assert namespaced
+        # server-side apply (patch; create for new objects), list to prune, delete to prune.
+        rules[(group, plural)] = {"create", "patch", "list", "delete"}
+    # handlers.child_changed: @kopf.on.event on deployments.
+    rules[("apps", "deployments")].add("watch")
+    return rules
+
+
+CRD_RULE = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+NAMESPACE_RULE = {("", "namespaces"): {"list", "watch"}}
+
+
+# ------------------------------------------------------------------------------------------- lint, files
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+def test_helm_lint_strict(helm: str, tmp_path: Path, values: str) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(VALUE_SETS[values]))
+    proc = run_helm(helm, "lint", "--strict", str(CHART), "--values", str(path), "--kube-version", KUBE_VERSION)
+    assert "0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout
+
+
+def test_chart_metadata_matches_operator_version() -> None:
+    assert CHART_YAML["apiVersion"] == "v2"
+    assert CHART_YAML["appVersion"] == __version__ == "0.1.0"
+
+
+@pytest.mark.parametrize("script", ["gen_crd.py", "gen_values_schema.py"])
+def test_generated_files_are_up_to_date(script: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(CHART / "hack" / script), "--check"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, f"{script} --check: {proc.stderr} (run `make chart-generate`)"
+
+
+# ------------------------------------------------------------------------------------ default render
+
+
+def test_default_render_has_exactly_the_operator_objects(render: Render) -> None:
+    manifests = render()
+    assert kinds(manifests) == sorted(
+        ["ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Deployment", "Job"]
+    )
+    for m in manifests:
+        if m["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+            assert m["metadata"]["namespace"] == NAMESPACE, m["kind"]
+
+
+def test_deployment_runs_one_operator_with_kopf_health_probes(render: Render) -> None:
+    manifests = render()
+    deployment = find(manifests, "Deployment", FULLNAME)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["serviceAccountName"] == FULLNAME
+    container = operator_container(manifests)
+    assert container["image"] == f"ghcr.io/omnimodel/omnimodel-operator:{__version__}"
+    assert container["command"] == ["omnimodel-operator"]
+    assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+
+
+def test_pod_is_non_root_read_only_without_capabilities(render: Render) -> None:
+    manifests = render()
+    pod = find(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = operator_container(manifests)
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # The read-only root leaves /tmp as the only writable path.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"][0]["name"] == "tmp" and "emptyDir" in pod["volumes"][0]
+
+
+# ------------------------------------------------------------------------- settings contract (env)
+
+
+def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = env_of(operator_container(render()))
+    assert json.loads(env["OMNIMODEL_RUNTIME_IMAGES"]) == DEFAULT_RUNTIME_IMAGES
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert OperatorSettings() == OperatorSettings.model_construct(
+        runtime_images=DEFAULT_RUNTIME_IMAGES,
+        image_pull_policy="IfNotPresent",
+        status_interval=10.0,
+        namespaces=[],
+        network_policy=True,
+        health_port=8080,
+    )
+
+
+def test_every_operator_setting_is_set_by_the_chart(render: Render) -> None:
+    env = env_of(operator_container(render()))
+    fields = {f"OMNIMODEL_{name.upper()}" for name in OperatorSettings.model_fields}
+    assert fields == {k for k in env if k.startswith("OMNIMODEL_")}
+
+
+def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch: pytest.MonkeyPatch) -> None:
+    container = operator_container(render(VALUE_SETS["everything-set"]))
+    env = env_of(container)
+    assert env["EXTRA"] == "1"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = OperatorSettings()
+    assert settings.status_interval == 2.5
+    assert settings.network_policy is False
+    assert settings.health_port == 9090
+    assert settings.image_pull_policy == "IfNotPresent"
+    assert container["args"] == ["run", "--liveness=http://0.0.0.0:9090/healthz", "--verbose"]
+    assert container["ports"][0]["containerPort"] == 9090
+
+
+def test_runtime_image_per_vendor_follows_the_accelerator_table(render: Render) -> None:
+    env = env_of(operator_container(render({"runtime": {"repository": "registry.local/rt", "tag": "9.9"}})))
+    images = json.loads(env["OMNIMODEL_RUNTIME_IMAGES"])
+    assert images == {v.value: f"registry.local/rt:9.9-{spec.image_variant}" for v, spec in ACCELERATORS.items()}
+
+
+def test_runtime_image_override_replaces_one_vendor_only(render: Render) -> None:
+    env = env_of(operator_container(render({"runtime": {"images": {"nvidia": "registry.local/rt:h200"}}})))
+    images = json.loads(env["OMNIMODEL_RUNTIME_IMAGES"])
+    assert images == {**DEFAULT_RUNTIME_IMAGES, "nvidia": "registry.local/rt:h200"}
+
+
+def test_runtime_image_for_an_unknown_vendor_is_rejected(render_error: RenderError) -> None:
+    assert "tpu" in render_error({"runtime": {"images": {"tpu": "x"}}})
+
+
+def test_runtime_pull_policy_goes_to_the_children(render: Render) -> None:
+    env = env_of(operator_container(render({"runtime": {"imagePullPolicy": "Always"}})))
+    assert env["OMNIMODEL_IMAGE_PULL_POLICY"] == "Always"
+
+
+# -------------------------------------------------------------------------------------------- image
+
+
+def test_image_overrides(render: Render) -> None:
+    manifests = render(VALUE_SETS["everything-set"])
+    container = operator_container(manifests)
+    assert container["image"] == "registry.local/op:dev"
+    assert container["imagePullPolicy"] == "Always"
+    pod = find(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_image_digest_pins_the_image(render: Render) -> None:
+    digest = "sha256:" + "a" * 64
+    container = operator_container(render({"image": {"tag": "ignored", "digest": digest}}))
+    assert container["image"] == f"ghcr.io/omnimodel/omnimodel-operator@{digest}"
+
+
+def test_bad_values_are_rejected_by_the_schema(render_error: RenderError) -> None:
+    assert "pullPolicy" in render_error({"image": {"pullPolicy": "Sometimes"}})
+    assert "replicas" in render_error({"replicas": 2})  # one operator, not configurable
+    assert "statusInterval" in render_error({"operator": {"statusInterval": 0}})
+    assert "watchNamespaces" in render_error({"watchNamespaces": ["Not_A_Namespace"]})
+
+
+# ------------------------------------------------------------------------------------- pod placement
+
+
+def test_resources_and_placement(render: Render) -> None:
+    manifests = render(VALUE_SETS["everything-set"])
+    values = VALUE_SETS["everything-set"]
+    deployment = find(manifests, "Deployment")
+    pod = deployment["spec"]["template"]
+    assert operator_container(manifests)["resources"] == values["resources"]
+    assert pod["spec"]["nodeSelector"] == values["nodeSelector"]
+    assert pod["spec"]["tolerations"] == values["tolerations"]
+    assert pod["spec"]["affinity"] == values["affinity"]
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert pod["metadata"]["annotations"] == {"a": "b"}
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    # The helm test Job lands where the operator may run.
+    job = find(manifests, "Job")["spec"]["template"]["spec"]
+    assert job["nodeSelector"] == values["nodeSelector"]
+    assert job["tolerations"] == values["tolerations"]
+
+
+def test_default_resources_request_and_cap_memory(render: Render) -> None:
+    resources = operator_container(render())["resources"]
+    assert resources["requests"] == {"cpu": "50m", "memory": "128Mi"}
+    assert resources["limits"] == {"memory": "512Mi"}
+    assert "cpu" not in resources["limits"]
+
+
+def test_no_placement_keys_by_default(render: Render) -> None:
+    pod = find(render(), "Deployment")["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"} & set(pod)
+
+
+# --------------------------------------------------------------------------------------------- CRD
+
+
+def test_crd_is_the_operator_generated_crd_and_kept_by_default(render: Render) -> None:
+    crd = find(render(), "CustomResourceDefinition", C.CRD_NAME)
+    source = build_crd()
+    assert crd["spec"] == source["spec"]
+    committed = yaml.safe_load((REPO / "crds" / "omnimodel.io_omnimodels.yaml").read_text())
+    assert crd["spec"] == committed["spec"], "crds/ drifted from the API models: run `make crds`"
+    assert source["metadata"]["labels"].items() <= crd["metadata"]["labels"].items()
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+
+
+def test_crd_keep_false_lets_uninstall_delete_it(render: Render) -> None:
+    crd = find(render({"crds": {"keep": False}}), "CustomResourceDefinition")
+    assert "annotations" not in crd["metadata"]
+
+
+def test_crds_disabled_renders_no_crd(render: Render) -> None:
+    assert "CustomResourceDefinition" not in kinds(render({"crds": {"enabled": False}}))
+
+
+# -------------------------------------------------------------------------------------------- RBAC
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(render: Render) -> None:
+    manifests = render()
+    role = find(manifests, "ClusterRole", CLUSTER_ROLE)
+    assert rules_of(role) == {**expected_namespaced_rules(), **CRD_RULE}
+    binding = find(manifests, "ClusterRoleBinding", CLUSTER_ROLE)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CLUSTER_ROLE}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+    assert "Role" not in kinds(manifests) and "RoleBinding" not in kinds(manifests)
+
+
+def test_watch_namespaces_get_a_role_each_and_a_small_cluster_role(render: Render) -> None:
+    manifests = render(VALUE_SETS["namespaced"])
+    assert rules_of(find(manifests, "ClusterRole", CLUSTER_ROLE)) == {**CRD_RULE, **NAMESPACE_RULE}
+    for ns in ("ml", "team-a"):
+        role = find(manifests, "Role", FULLNAME, ns)
+        assert rules_of(role) == expected_namespaced_rules()
+        binding = find(manifests, "RoleBinding", FULLNAME, ns)
+        assert binding["roleRef"]["name"] == FULLNAME and binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+    assert kinds(manifests).count("Role") == 2
+    env = env_of(operator_container(manifests))
+    assert json.loads(env["OMNIMODEL_NAMESPACES"]) == ["ml", "team-a"]
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+def test_rbac_has_no_wildcards_and_no_secrets(render: Render, values: str) -> None:
+    for role in (m for m in render(VALUE_SETS[values]) if m["kind"] in ("Role", "ClusterRole")):
+        for rule in role["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], (role["metadata"]["name"], rule)
+            assert "secrets" not in rule["resources"]
+            assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate", "update", "deletecollection"}
+            assert "nonResourceURLs" not in rule
+
+
+def test_rbac_rules_are_commented_by_purpose() -> None:
+    text = (CHART / "templates" / "_rbac.tpl").read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("- apiGroups:"):
+            assert lines[i - 1].lstrip().startswith("#"), f"_rbac.tpl:{i + 1}: rule without a purpose comment"
+
+
+def test_existing_service_account_and_no_rbac(render: Render) -> None:
+    manifests = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}})
+    assert kinds(manifests) == ["CustomResourceDefinition", "Deployment", "Job"]
+    assert find(manifests, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+
+
+def test_service_account_binding_follows_its_name(render: Render) -> None:
+    manifests = render({"serviceAccount": {"name": "omni-sa", "annotations": {"k": "v"}}})
+    sa = find(manifests, "ServiceAccount", "omni-sa")
+    assert sa["metadata"]["annotations"] == {"k": "v"}
+    assert sa["automountServiceAccountToken"] is True
+    assert find(manifests, "ClusterRoleBinding")["subjects"][0]["name"] == "omni-sa"
+
+
+# ---------------------------------------------------------------------------------- metrics, test hook
+
+
+def test_service_monitor_is_refused_because_there_are_no_metrics(render_error: RenderError) -> None:
+    assert "exposes no Prometheus metrics" in render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
+
+
+def test_no_service_monitor_by_default(render: Render) -> None:
+    assert "ServiceMonitor" not in kinds(render())
+
+
+def test_helm_test_job_checks_crd_and_access_with_the_operator_account(render: Render) -> None:
+    manifests = render(VALUE_SETS["namespaced"])
+    job = find(manifests, "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == FULLNAME
+    assert pod["restartPolicy"] == "Never"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert env_of(container) == {"OMNIMODEL_TEST_NAMESPACE": "ml"}
+    script = container["command"][2]
+    compile(script, "helm-test", "exec")  # a syntax error would only show in the cluster
+    assert C.CRD_NAME in script
+    # Never selected by the operator Deployment.
+    selector = find(manifests, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+
+# ------------------------------------------------------------------------------------------- naming
+
+
+def test_fullname_override_and_name_length(render: Render) -> None:
+    manifests = render({"fullnameOverride": "x" * 80, "watchNamespaces": ["ml"]})
+    deployment = find(manifests, "Deployment")
+    assert deployment["metadata"]["name"] == "x" * 63
+    for m in manifests:
+        if m["kind"] in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "Job"):
+            assert len(m["metadata"]["name"]) <= 63, m["kind"]
+
+
+# ------------------------------------------------------------------------------------------ validity
+
+
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_rendered_manifests_validate_against_kubernetes_schemas(render: Render, values: str) -> None:
+    validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate").validate
+    for manifest in render(VALUE_SETS[values]):
+        validate(manifest, KUBE_VERSION, strict=True)
+
+
+def test_labels_are_the_recommended_set(render: Render) -> None:
+    for m in render():
+        labels: dict[str, Any] = m["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "omni", m["kind"]
+        assert labels["app.kubernetes.io/managed-by"] == "Helm", m["kind"]
+        assert labels["helm.sh/chart"] == f"omnimodel-operator-{CHART_YAML['version']}", m["kind"]
