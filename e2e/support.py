@@ -32,8 +32,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
 class Operator:
     """`omnimodel-operator run` as a subprocess against the test cluster; stopped by PID."""
 
-    def __init__(self, cluster: ClusterHandle, log_dir: Path) -> None:
+    def __init__(self, cluster: ClusterHandle, log_dir: Path, status_interval: float = 1.0) -> None:
         self.cluster = cluster
+        self.status_interval = status_interval
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -46,7 +47,7 @@ class Operator:
             **os.environ,
             "KUBECONFIG": str(self.cluster.kubeconfig),
             # A short status cadence keeps waits short; child events make most updates immediate anyway.
-            "OMNIMODEL_STATUS_INTERVAL": "1",
+            "OMNIMODEL_STATUS_INTERVAL": str(self.status_interval),
         }
         with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
             self.proc = subprocess.Popen(

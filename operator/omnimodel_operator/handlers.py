@@ -47,11 +47,11 @@ async def close_client(**_: Any) -> None:
         await client.aclose()
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger) -> None:
+async def _run(body: kopf.Body, logger: kopf.Logger, *, status_only: bool = False) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     async with _locks[key]:
         try:
-            outcome = await reconcile(_client(), body, SETTINGS)
+            outcome = await reconcile(_client(), body, SETTINGS, status_only=status_only)
         except ApiError as err:
             if err.status == 404:  # deleted while we worked; garbage collection does the rest
                 logger.debug(f"Stopped reconciling: {err}")
@@ -97,4 +97,4 @@ async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         return
     if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
         return
-    await _run(kopf.Body(cast("kopf.RawBody", parent)), logger)
+    await _run(kopf.Body(cast("kopf.RawBody", parent)), logger, status_only=True)

@@ -8,6 +8,7 @@ ownership, generations, label selection and owner-reference garbage collection.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import itertools
@@ -147,12 +148,16 @@ def load_connection(kubeconfig: str | None = None) -> Connection:
 class HttpKube:
     """The real client: REST over httpx, one connection pool, JSON in and out."""
 
-    def __init__(self, connection: Connection, timeout: float = 30.0) -> None:
+    def __init__(self, connection: Connection, timeout: float = 30.0, concurrency: int = 16) -> None:
+        # One request per pooled connection (HTTP/1.1); the semaphore queues the rest here instead
+        # of letting hundreds of concurrent reconciles time out waiting for the pool.
+        self._limit = asyncio.Semaphore(concurrency)
         self._client = httpx.AsyncClient(
             base_url=connection.server,
             verify=connection.verify,
             headers={**connection.headers, "Accept": "application/json"},
             timeout=timeout,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
         )
 
     async def aclose(self) -> None:
@@ -160,9 +165,10 @@ class HttpKube:
 
     async def _request(self, method: str, url: str, **kwargs: Any) -> Manifest:
         try:
-            resp = await self._client.request(method, url, **kwargs)
-        except httpx.HTTPError as err:
-            raise ApiError(0, "ConnectionError", str(err)) from err
+            async with self._limit:
+                resp = await self._client.request(method, url, **kwargs)
+        except (httpx.HTTPError, RuntimeError) as err:  # RuntimeError: client closed at shutdown
+            raise ApiError(0, type(err).__name__, f"{method} {url}: {err!r}") from err
         if resp.status_code >= 400:
             try:
                 body = resp.json()

@@ -29,7 +29,12 @@ class OperatorSettings(BaseSettings):
         description="Runtime image per accelerator vendor (JSON object), used when a CR sets none.",
     )
     image_pull_policy: str = Field(default="IfNotPresent")
-    status_interval: float = Field(default=10.0, gt=0, description="Seconds between status re-reads of each OmniModel.")
+    status_interval: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds between full level-based passes over each OmniModel (drift repair and "
+        "status); child Deployment events refresh status in between.",
+    )
     namespaces: list[str] = Field(
         default_factory=list, description="Namespaces to watch (JSON list); empty = cluster-wide."
     )

@@ -270,3 +270,18 @@ async def test_configmap_is_the_runtime_pipeline_file(kube: FakeKube) -> None:
     assert pipeline.stage("talker").accelerator.vendor.value == "amd"
     assert pipeline.stage("thinker").endpoints == ("http://qwen-omni-thinker.ml.svc:8001",)
     assert pipeline.model.source == "hf://Qwen/Qwen2.5-Omni-7B"
+
+
+async def test_status_only_refresh_reads_children_and_writes_only_status(kube: FakeKube) -> None:
+    kube.put(example("tts.yaml"))
+    await reconcile(kube, body(kube, "speech"), SETTINGS, now)
+    mark_rolled_out(kube)
+    deploy = kube.find("Deployment", "speech-vocoder")
+    assert deploy is not None
+    deploy["spec"]["replicas"] = 7  # drift is left for the full pass; a child event only refreshes status
+    writes = len(kube.writes)
+    out = await reconcile(kube, body(kube, "speech"), SETTINGS, now, status_only=True)
+    assert out.applied == []
+    assert [w[0] for w in kube.writes[writes:]] == ["status"]
+    stages = {s["name"]: s for s in body(kube, "speech")["status"]["stages"]}
+    assert stages["vocoder"]["replicas"] == 7

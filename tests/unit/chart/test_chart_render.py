@@ -199,7 +199,7 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
     assert OperatorSettings() == OperatorSettings.model_construct(
         runtime_images=DEFAULT_RUNTIME_IMAGES,
         image_pull_policy="IfNotPresent",
-        status_interval=10.0,
+        status_interval=30.0,
         namespaces=[],
         network_policy=True,
         health_port=8080,
