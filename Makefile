@@ -61,7 +61,7 @@ render: ## Render every example to stdout, as the operator would apply it
 	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
 
 .PHONY: demo
-demo: ## The main job on embedded defaults (currently: render every example)
-	$(MAKE) -s render
+demo: ## The main job on embedded defaults: serve a tiny text model, ask it once with the openai client
+	$(VENV_BIN)omnimodel demo
 
 -include e2e/cluster.mk

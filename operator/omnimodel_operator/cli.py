@@ -47,9 +47,10 @@ def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: O
 def _run(args: argparse.Namespace) -> int:
     import kopf  # noqa: PLC0415
 
-    import omnimodel_operator.handlers  # noqa: F401, PLC0415  (registers the handlers)
+    from omnimodel_operator import handlers  # noqa: PLC0415  (importing registers the handlers)
 
     namespaces = args.namespace or OperatorSettings().namespaces
+    handlers.watch_namespaces(namespaces)
     kopf.configure(verbose=args.verbose)
     kopf.run(
         standalone=True,

@@ -20,6 +20,11 @@ _state: dict[str, Any] = {}
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
+def watch_namespaces(namespaces: list[str]) -> None:
+    """The namespaces the resync pass lists; empty means cluster-wide."""
+    _state["namespaces"] = list(namespaces)
+
+
 def _client() -> KubeClient:
     client: KubeClient | None = _state.get("client")
     if client is None:
@@ -40,14 +45,57 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = 4
 
 
+@kopf.on.startup()
+async def start_resync(logger: kopf.Logger, **_: Any) -> None:
+    """One periodic level-based pass over every watched OmniModel (like controller-runtime's
+    SyncPeriod). Not a kopf timer: kopf puts a finalizer on objects with timers, and a finalizer would
+    make OmniModels (and their namespaces) undeletable whenever the operator is not running."""
+    _state["resync"] = asyncio.create_task(_resync_forever(logger))
+
+
 @kopf.on.cleanup()
 async def close_client(**_: Any) -> None:
+    task = _state.pop("resync", None)
+    if task is not None:
+        task.cancel()
     client = _state.pop("client", None)
     if isinstance(client, HttpKube):
         await client.aclose()
 
 
-async def _run(body: kopf.Body, logger: kopf.Logger, *, status_only: bool = False) -> None:
+async def _resync_forever(logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    namespaces: list[str] = _state.get("namespaces") or [""]  # "" lists across all namespaces
+    while True:
+        # Pacing, not synchronisation: the next pass is due one interval after this one.
+        await asyncio.sleep(SETTINGS.status_interval)
+        try:
+            await resync_once(namespaces, logger)
+        except ApiError as err:
+            logger.warning(f"Resync pass failed, will try again: {err}")
+
+
+async def resync_once(namespaces: list[str], logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Reconcile every OmniModel once; one object's failure does not stop the pass."""
+    client = _client()
+    limit = asyncio.Semaphore(8)
+
+    async def one(obj: dict[str, Any]) -> None:
+        if obj["metadata"].get("deletionTimestamp"):
+            return
+        async with limit:
+            try:
+                await _run(kopf.Body(cast("kopf.RawBody", obj)), logger)
+            except kopf.TemporaryError as err:
+                logger.warning(f"Resync of {obj['metadata']['namespace']}/{obj['metadata']['name']}: {err}")
+
+    for namespace in namespaces:
+        items = await client.list(C.API_VERSION, C.KIND, namespace, {})
+        await asyncio.gather(*(one(obj) for obj in items))
+
+
+async def _run(
+    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any], *, status_only: bool = False
+) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     async with _locks[key]:
         try:
@@ -71,12 +119,6 @@ async def _run(body: kopf.Body, logger: kopf.Logger, *, status_only: bool = Fals
 @kopf.on.create(C.GROUP, C.VERSION, C.PLURAL)
 @kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec")
 async def reconcile_spec(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    await _run(body, logger)
-
-
-@kopf.timer(C.GROUP, C.VERSION, C.PLURAL, interval=SETTINGS.status_interval, initial_delay=1.0)
-async def refresh_status(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    """Level-based safety net: re-reads children (and repairs drift) on a fixed cadence."""
     await _run(body, logger)
 
 

@@ -80,7 +80,8 @@ class KubeClient(Protocol):
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     plural, namespaced = RESOURCES[(api_version, kind)]
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    ns = f"/namespaces/{namespace}" if namespaced else ""
+    # An empty namespace on a namespaced kind means "across all namespaces" (list only).
+    ns = f"/namespaces/{namespace}" if namespaced and namespace else ""
     return f"{base}{ns}/{plural}" + (f"/{name}" if name else "")
 
 
@@ -361,8 +362,10 @@ class FakeKube:
         out = []
         for (av, k, ns, _), obj in sorted(self.objects.items()):
             obj_labels = obj["metadata"].get("labels") or {}
-            if (av, k, ns) == (api_version, kind, namespace) and all(
-                obj_labels.get(lk) == lv for lk, lv in labels.items()
+            if (
+                (av, k) == (api_version, kind)
+                and namespace in ("", ns)
+                and all(obj_labels.get(lk) == lv for lk, lv in labels.items())
             ):
                 out.append(copy.deepcopy(obj))
         return out

@@ -300,9 +300,7 @@ async def _apply_children(
     await apply(desired[0])
     await asyncio.gather(*(apply(m) for m in desired[1:]))
     stale = [obj for key, obj in live.items() if key not in current]
-    await asyncio.gather(
-        *(client.delete(o["apiVersion"], o["kind"], namespace, o["metadata"]["name"]) for o in stale)
-    )
+    await asyncio.gather(*(client.delete(o["apiVersion"], o["kind"], namespace, o["metadata"]["name"]) for o in stale))
     outcome.deleted.extend(sorted(_ref(o) for o in stale))
     outcome.applied.sort()
     return current

@@ -1,0 +1,284 @@
+"""``omnimodel``: run a stage, the gateway, or everything in one process; build tiny models; benchmark.
+
+Heavy modules (FastAPI, uvicorn, torch, engines) are imported inside the commands that need them, so
+``omnimodel --help`` stays instant and a gateway process never imports torch.
+"""
+
+# Imports sit inside functions on purpose: each command pulls in only what it needs.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from omnimodel_runtime.pipeline import Pipeline
+    from omnimodel_runtime.settings import RuntimeSettings
+
+log = logging.getLogger("omnimodel_runtime.cli")
+
+# Exit codes: 2 = bad invocation or configuration (fix the flags or the pipeline file), 1 = a
+# failure at run time (the engine failed to load, the port was taken).
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1, or OMNIMODEL_HOST)")
+    p.add_argument("--port", type=int, default=None, help=f"port to bind (default {default_port})")
+    p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnimodel", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("stage", help="serve one stage of a pipeline over the stage protocol")
+    p.add_argument("--pipeline", required=True, type=Path, help="pipeline JSON file (the operator's ConfigMap)")
+    p.add_argument("--stage", required=True, help="name of the stage to serve")
+    _server_flags(p, 8001)
+
+    p = sub.add_parser("gateway", help="serve the OpenAI API in front of remote stages")
+    p.add_argument("--pipeline", required=True, type=Path, help="pipeline JSON file (the operator's ConfigMap)")
+    _server_flags(p, 8000)
+
+    p = sub.add_parser("serve", help="gateway and every stage in this one process")
+    p.add_argument("--preset", required=True, help="stage-graph preset, e.g. text")
+    p.add_argument("--model", required=True, help="model source: tiny://PRESET, file:///path, hf://org/name")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[STAGE=]ENGINE",
+        help="engine for every stage (vllm, transformers, diffusers) or for one stage; repeatable",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument for every stage (VALUE parsed as JSON when it is JSON); repeatable",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
+    _server_flags(p, 8000)
+
+    p = sub.add_parser("make-tiny", help="build a preset's tiny random-weight model into a directory")
+    p.add_argument("--preset", required=True)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--size",
+        default=None,
+        help="architecture size (default tiny; e.g. qwen2.5-1.5b for accelerator benchmarks)",
+    )
+    p.add_argument("--device", default=None, help="where to initialise the weights (cpu, cuda)")
+
+    p = sub.add_parser("demo", help="serve a tiny preset, ask it one question with the openai client, stop")
+    from omnimodel_runtime.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(p)
+
+    p = sub.add_parser("bench", help="benchmark a gateway against a direct engine; writes JSON")
+    from omnimodel_runtime.bench import add_arguments
+
+    add_arguments(p)
+    return parser
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> RuntimeSettings:
+    from omnimodel_runtime.settings import RuntimeSettings
+
+    flags = {k: getattr(args, k, None) for k in ("host", "port", "log_level")}
+    return RuntimeSettings(**{k: v for k, v in {**flags, **extra}.items() if v is not None})
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _load(path: Path) -> Pipeline:
+    from omnimodel_runtime.pipeline import load_pipeline
+
+    return load_pipeline(path)
+
+
+def run_app(app: FastAPI, settings: RuntimeSettings) -> int:
+    """Serve ``app`` until SIGINT/SIGTERM (graceful: in-flight requests drain for up to
+    ``drain_timeout``) or until its start-up fails (exit status 1, so the pod restarts)."""
+    import asyncio
+    import math
+
+    import uvicorn
+
+    from omnimodel_runtime.web import Startup
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # uvicorn reads 0/None as "wait forever"; a drain of at least a second is always granted.
+        timeout_graceful_shutdown=max(1, math.ceil(settings.drain_timeout)),
+        lifespan="on",
+        access_log=settings.log_level == "debug",
+    )
+    server = _graceful_server_class()(config)
+    startup: Startup = app.state.startup
+
+    async def main() -> int:
+        serving = asyncio.create_task(server.serve())
+        failed = asyncio.create_task(startup.failed.wait())
+        await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done() and not serving.done():
+            log.error("Start-up failed, exiting: %s", startup.error)
+            server.should_exit = True
+            await serving
+            return EXIT_FAILED
+        failed.cancel()
+        await serving
+        return 0 if server.started else EXIT_FAILED
+
+    return asyncio.run(main())
+
+
+def _graceful_server_class() -> type[Any]:
+    import contextlib
+    import signal
+    import threading
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM after its graceful shutdown, so even a clean drain ends
+        "killed by signal"; here a drained shutdown exits 0 (and a failed one still exits non-zero)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.stage.server import build_stage_app
+
+    settings = _settings(args, pipeline=args.pipeline, stage=args.stage)
+    _setup_logging(settings.log_level)
+    app = build_stage_app(settings, _load(args.pipeline), args.stage)
+    return run_app(app, settings)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.gateway import build_gateway_app
+
+    settings = _settings(args, pipeline=args.pipeline)
+    _setup_logging(settings.log_level)
+    return run_app(build_gateway_app(settings, _load(args.pipeline)), settings)
+
+
+def _parse_kv(items: Sequence[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} must look like KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    pipeline = serve_pipeline(
+        args.preset,
+        args.model,
+        engines=args.engine,
+        engine_args=_parse_kv(args.engine_arg, "--engine-arg"),
+        served_model_name=args.served_model_name,
+        device=_local_device(settings.device),
+    )
+    return run_app(build_serve_app(settings, pipeline), settings)
+
+
+def _local_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    try:
+        from omnimodel_runtime.engines.devices import resolve_device
+    except ImportError:  # no torch: nothing but the CPU to run on
+        return "cpu"
+    return resolve_device(setting)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.tiny import build_tiny
+
+    _setup_logging("info")
+    options = {k: v for k, v in {"size": args.size, "device": args.device}.items() if v is not None}
+    out = build_tiny(args.preset, args.out, seed=args.seed, **options)
+    print(out)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.demo import run
+
+    return run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.bench import run
+
+    _setup_logging("warning")
+    return run(args)
+
+
+COMMANDS = {
+    "stage": cmd_stage,
+    "gateway": cmd_gateway,
+    "serve": cmd_serve,
+    "make-tiny": cmd_make_tiny,
+    "demo": cmd_demo,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``omnimodel`` console script."""
+    from pydantic import ValidationError
+
+    from omnimodel_runtime.errors import RuntimeSetupError
+    from omnimodel_runtime.pipeline import PipelineError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (PipelineError, RuntimeSetupError, ValidationError, ValueError, FileNotFoundError) as err:
+        print(f"omnimodel {args.command}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,97 @@
+"""The one interface every engine adapter implements, and what it is given."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from omnimodel_runtime.pipeline import Stage
+from omnimodel_runtime.protocol.stage import ResponseFrame, StageRequest
+from omnimodel_runtime.settings import RuntimeSettings
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One request as an engine sees it: the header, tensors sent with it, and, for a downstream
+    stage, the frames of its upstream stage as they arrive (``None`` when it has no upstream)."""
+
+    request: StageRequest
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+    upstream: AsyncIterator[ResponseFrame] | None = None
+
+
+class EngineMetrics(Protocol):
+    """Hooks an engine calls; the stage server backs them with Prometheus metrics."""
+
+    def observe_batch(self, size: int) -> None:
+        """A forward pass ran over ``size`` requests at once."""
+
+    def add_generated_tokens(self, count: int) -> None:
+        """``count`` output tokens were produced."""
+
+
+class NullMetrics:
+    """Metrics hooks that record nothing (direct engine use, benchmarks' baseline)."""
+
+    def observe_batch(self, size: int) -> None:
+        pass
+
+    def add_generated_tokens(self, count: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """Everything an adapter is constructed with."""
+
+    stage: Stage
+    model_dir: Path
+    settings: RuntimeSettings
+    metrics: EngineMetrics = field(default_factory=NullMetrics)
+
+
+class Engine(abc.ABC):
+    """An inference engine serving one stage.
+
+    Life cycle: :meth:`start` (load weights), :meth:`warmup` (run once so the first real request does
+    not pay for lazy initialisation), then any number of concurrent :meth:`generate` calls, then
+    :meth:`stop`. ``generate`` is an async iterator of frames ending with a ``FinalFrame``; closing it
+    early (the caller went away) or cancelling the task iterating it must abort the request inside the
+    engine. Bad input raises :class:`~omnimodel_runtime.errors.StageError` with a 4xx status.
+    """
+
+    def __init__(self, context: EngineContext) -> None:
+        self.context = context
+
+    @property
+    def stage(self) -> Stage:
+        return self.context.stage
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; must not block the event loop."""
+
+    async def warmup(self) -> None:  # noqa: B027 - engines without lazy initialisation need nothing
+        """Exercise the engine once before reporting healthy."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Release the model and any worker threads or processes."""
+
+    @abc.abstractmethod
+    def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        """Run one request, streaming frames."""
+
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet started (the autoscaling signal)."""
+        return 0
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest prompt + completion the engine accepts, when it has such a limit."""
+        return None

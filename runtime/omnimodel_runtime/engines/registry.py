@@ -1,0 +1,68 @@
+"""Which adapter class runs which (engine, task) pair, imported only when a stage needs it.
+
+The operator image and the gateway never import torch: adapters are named by module path and loaded
+lazily; a missing library becomes an error that names the pip extra to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from omnimodel_runtime.engines.base import Engine, EngineContext, EngineMetrics, NullMetrics
+from omnimodel_runtime.errors import ExtraMissingError, RuntimeSetupError
+from omnimodel_runtime.models import resolve_model_dir
+from omnimodel_runtime.pipeline import EngineName, ModelSource, Stage
+from omnimodel_runtime.settings import RuntimeSettings
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    module: str
+    cls: str
+    extra: str
+
+
+ADAPTERS: Final[Mapping[tuple[EngineName, str], AdapterRef]] = {
+    (EngineName.TRANSFORMERS, "text-generation"): AdapterRef(
+        "omnimodel_runtime.engines.transformers_text", "TransformersTextEngine", "transformers"
+    ),
+    (EngineName.VLLM, "text-generation"): AdapterRef("omnimodel_runtime.engines.vllm_text", "VllmTextEngine", "vllm"),
+}
+
+
+def supported() -> list[tuple[str, str]]:
+    """(engine, task) pairs this runtime can serve."""
+    return [(engine.value, task) for engine, task in ADAPTERS]
+
+
+def engine_class(engine: EngineName, task: str) -> type[Engine]:
+    """Import and return the adapter for ``engine`` running ``task``."""
+    ref = ADAPTERS.get((engine, task))
+    if ref is None:
+        known = ", ".join(f"{e}/{t}" for e, t in supported())
+        raise RuntimeSetupError(f"no engine adapter for engine {engine.value!r} and task {task!r} (known: {known})")
+    try:
+        module = importlib.import_module(ref.module)
+    except ImportError as err:
+        raise ExtraMissingError(what=f"the {engine.value} engine", extra=ref.extra, cause=err) from err
+    cls: type[Engine] = getattr(module, ref.cls)
+    return cls
+
+
+def create_engine(context: EngineContext) -> Engine:
+    """Instantiate the adapter for ``context.stage`` (loading happens in ``start``)."""
+    return engine_class(context.stage.engine, context.stage.task)(context)
+
+
+async def load_engine(
+    stage: Stage, model: ModelSource, settings: RuntimeSettings, metrics: EngineMetrics | None = None
+) -> Engine:
+    """Resolve the model directory (possibly building a tiny model or downloading; off the event loop)
+    and instantiate the stage's adapter. The engine still needs ``start()``."""
+    model_dir = await asyncio.to_thread(resolve_model_dir, model, settings)
+    context = EngineContext(stage=stage, model_dir=model_dir, settings=settings, metrics=metrics or NullMetrics())
+    return create_engine(context)

@@ -1,0 +1,488 @@
+"""Causal-LM text generation on Hugging Face ``transformers`` with continuous batching.
+
+All model work runs on ONE worker thread fed by a thread-safe queue; the event loop only renders
+prompts, enqueues, and relays frames the worker posts back with ``call_soon_threadsafe``.
+
+The worker keeps one running batch: a left-padded KV cache (``DynamicCache``), a 2-D attention mask and
+per-row positions. Every iteration it
+
+1. takes newly arrived requests (when idle it blocks for the first one, then waits up to
+   ``batch_wait`` for more, so a burst of concurrent requests starts as one batch),
+2. prefills them together (left-padded) and merges their cache into the running batch by left-padding
+   the shorter of the two,
+3. runs one decode step for every active row, samples each row with its own parameters and generator,
+   and streams each row's token delta to its request,
+4. drops finished, cancelled or expired rows (``batch_select_indices``) and trims cache columns that no
+   remaining row attends to.
+
+So requests join and leave between steps: a long generation does not hold back a short one that
+arrives later, and N concurrent requests cost roughly one forward pass per step instead of N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
+
+from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.text import (
+    GenerationDefaults,
+    IncrementalDetokenizer,
+    ResolvedSampling,
+    render_prompt,
+    resolve_sampling,
+)
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.stage import (
+    ErrorFrame,
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageRequest,
+    TextFrame,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+_STOP: Final = object()
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside the worker. Only ``cancelled`` is written from the event loop (a plain
+    attribute store, atomic under the GIL); everything else belongs to the worker thread."""
+
+    request: StageRequest
+    prompt_ids: list[int]
+    sampling: ResolvedSampling
+    out: asyncio.Queue[ResponseFrame]  # owned by the event loop; filled through _flush
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    cancelled: bool = False
+    generated: int = 0
+    last_token: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    rows: list[_Seq]
+    cache: DynamicCache
+    mask: torch.Tensor  # (rows, cached columns), 1 where a row attends
+    next_pos: torch.Tensor  # (rows,), position id of each row's next input token
+
+
+class TransformersTextEngine(Engine):
+    """``transformers`` adapter for the ``text-generation`` task."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        args = dict(context.stage.engine_args)
+        self._device = resolve_device(context.settings.device)
+        self._dtype = torch_dtype(args.get("dtype"), self._device)
+        self._max_batch = int(args.get("max_batch_size", context.settings.max_batch_size))
+        self._batch_wait = float(args.get("batch_wait", context.settings.batch_wait))
+        self._max_model_len_arg = args.get("max_model_len")
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._model: Any = None
+        # Two instances of the same tokenizer: the event loop renders prompts while the worker
+        # detokenizes, and a Rust tokenizer shared across threads can fail with "Already borrowed".
+        self._tokenizer: Any = None
+        self._detok_tokenizer: Any = None
+        self._defaults = GenerationDefaults()
+        self._max_model_len = 0
+        self._pad_id = 0
+        # Frames produced during one worker step, handed to the event loop in one wake-up: each
+        # call_soon_threadsafe costs a self-pipe write and a GIL hand-over, per step, not per frame.
+        self._outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]] = []
+
+    # ------------------------------------------------------------------ life cycle (event loop side)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
+        )
+        self._thread.start()
+        await loaded
+
+    async def warmup(self) -> None:
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}",
+            prompt="Warm up.",
+            sampling=SamplingParams(max_tokens=2, temperature=0.0),
+        )
+        async for _ in self.generate(StageInput(request=request)):
+            pass
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def queue_depth(self) -> int:
+        return self._inbox.qsize()
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len or None
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        if self._thread is None or self._loop is None:
+            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        request = inp.request
+        prompt_ids = render_prompt(self._tokenizer, request)
+        sampling = resolve_sampling(
+            request, self._defaults, prompt_len=len(prompt_ids), max_model_len=self._max_model_len
+        )
+        frames: asyncio.Queue[ResponseFrame] = asyncio.Queue()
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator()
+            generator.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
+        seq = _Seq(
+            request=request,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            out=frames,
+            detok=IncrementalDetokenizer(self._detok_tokenizer, sampling.stop),
+            generator=generator,
+        )
+        self._inbox.put(seq)
+        held: ResponseFrame | None = None
+        try:
+            while True:
+                frame = held if held is not None else await frames.get()
+                held = None
+                # A consumer that fell behind (slow client, busy event loop) gets its backlog of text
+                # as one frame: one write downstream instead of one per token, as vLLM's output
+                # collector merges deltas.
+                while isinstance(frame, TextFrame) and not frames.empty():
+                    nxt = frames.get_nowait()
+                    if isinstance(nxt, TextFrame):
+                        frame = TextFrame(frame.text + nxt.text, frame.token_ids + nxt.token_ids)
+                    else:
+                        held = nxt
+                        break
+                if isinstance(frame, ErrorFrame):
+                    raise frame.to_error()
+                yield frame
+                if isinstance(frame, FinalFrame):
+                    return
+        finally:
+            # The caller went away (or we finished): the worker drops the row at its next step.
+            seq.cancelled = True
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            self._load()
+        except BaseException as err:
+            loop.call_soon_threadsafe(_set_exception, loaded, err)
+            return
+        loop.call_soon_threadsafe(_set_result, loaded)
+        with torch.inference_mode():
+            self._serve()
+
+    def _load(self) -> None:
+        model_dir = self.context.model_dir
+        # Progress bars are noise in pod logs.
+        hf_logging.disable_progress_bar()
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._detok_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self._dtype)
+        self._model = model.to(self._device).eval()
+        self._defaults = GenerationDefaults.from_model_dir(model_dir)
+        config_len = getattr(model.config, "max_position_embeddings", None) or 2048
+        self._max_model_len = int(self._max_model_len_arg or config_len)
+        pad = self._tokenizer.pad_token_id
+        if pad is None:
+            pad = next(iter(self._defaults.eos_token_ids), 0)
+        self._pad_id = int(pad)
+        log.info("Loaded %s on %s (%s) for stage %s", model_dir, self._device, self._dtype, self.stage.name)
+
+    def _emit(self, seq: _Seq, frame: ResponseFrame) -> None:
+        self._outbox.append((seq.out, frame))
+
+    def _flush(self) -> None:
+        if not self._outbox or self._loop is None:
+            return
+        outbox, self._outbox = self._outbox, []
+        # The loop may already be closed during shutdown; nobody is listening then.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_deliver, outbox)
+
+    def _serve(self) -> None:
+        try:
+            self._serve_loop()
+        finally:
+            self._flush()
+
+    def _serve_loop(self) -> None:
+        batch: _Batch | None = None
+        while True:
+            self._flush()
+            room = self._max_batch - (len(batch.rows) if batch else 0)
+            new, stopping = self._take_new(idle=batch is None, room=room)
+            new = [s for s in new if not s.cancelled]
+            if stopping:
+                for seq in [*new, *(batch.rows if batch else [])]:
+                    self._emit(seq, ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
+                return
+            try:
+                if new:
+                    batch = self._prefill(new, batch)
+                if batch is not None:
+                    batch = self._decode(batch)
+            except Exception as err:  # a failed forward pass fails its batch, not the engine
+                log.exception("Generation step failed for stage %s", self.stage.name)
+                for seq in [*new, *(batch.rows if batch else [])]:
+                    self._emit(seq, ErrorFrame(f"generation failed: {err}", status=500))
+                batch = None
+
+    def _take_new(self, *, idle: bool, room: int) -> tuple[list[_Seq], bool]:
+        """Up to ``room`` new requests for this step: when idle, block for one, then gather a burst."""
+        new: list[_Seq] = []
+        if idle:
+            item = self._inbox.get()
+            if item is _STOP:
+                return new, True
+            new.append(item)
+            deadline = time.monotonic() + self._batch_wait
+            while len(new) < room:
+                timeout = deadline - time.monotonic()
+                try:
+                    item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    return new, True
+                new.append(item)
+            return new, False
+        return self._drain(room), False
+
+    def _drain(self, room: int) -> list[_Seq]:
+        new: list[_Seq] = []
+        while len(new) < room:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP:
+                # Put it back so the next (idle or not) pass sees it after this step's work.
+                self._inbox.put(_STOP)
+                break
+            new.append(item)
+        return new
+
+    def _prefill(self, new: list[_Seq], batch: _Batch | None) -> _Batch | None:
+        width = max(len(s.prompt_ids) for s in new)
+        ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), width), dtype=torch.long)
+        for i, seq in enumerate(new):
+            n = len(seq.prompt_ids)
+            ids[i, width - n :] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+            mask[i, width - n :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self._model(
+            input_ids=ids.to(self._device),
+            attention_mask=mask.to(self._device),
+            position_ids=positions.to(self._device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.context.metrics.observe_batch(len(new))
+        fresh = _Batch(rows=new, cache=cache, mask=mask.to(self._device), next_pos=mask.sum(-1).to(self._device))
+        merged = fresh if batch is None else _merge(batch, fresh)
+        tokens = self._sample(out.logits[:, -1, :], new)
+        offset = len(merged.rows) - len(new)
+        finished = self._advance(new, tokens)
+        return self._retire(merged, {offset + i for i in finished})
+
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        gone = {i for i, s in enumerate(batch.rows) if s.cancelled or self._expired(s)}
+        if gone:
+            retired = self._retire(batch, gone)
+            if retired is None:
+                return None
+            batch = retired
+        ids = torch.tensor([[s.last_token] for s in batch.rows], dtype=torch.long, device=self._device)
+        ones = torch.ones((len(batch.rows), 1), dtype=batch.mask.dtype, device=self._device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=batch.mask,
+            position_ids=batch.next_pos.unsqueeze(1),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.next_pos = batch.next_pos + 1
+        self.context.metrics.observe_batch(len(batch.rows))
+        tokens = self._sample(out.logits[:, -1, :], batch.rows)
+        return self._retire(batch, set(self._advance(batch.rows, tokens)))
+
+    def _expired(self, seq: _Seq) -> bool:
+        deadline = seq.request.deadline
+        if deadline is None or time.time() < deadline:
+            return False
+        self._emit(seq, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
+        return True
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[_Seq]) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        tokens: list[int] = []
+        for i, seq in enumerate(rows):
+            s = seq.sampling
+            if s.greedy:
+                tokens.append(int(greedy[i]))
+                continue
+            scores = logits[i].float() / s.temperature
+            if s.top_p < 1.0:
+                sorted_scores, order = torch.sort(scores, descending=True)
+                probs = torch.softmax(sorted_scores, dim=-1)
+                # Drop a token when the tokens ranked above it already cover top_p (keeps at least one).
+                drop = (torch.cumsum(probs, dim=-1) - probs) > s.top_p
+                sorted_scores[drop] = float("-inf")
+                scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+            probs = torch.softmax(scores, dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+        return tokens
+
+    def _advance(self, rows: Sequence[_Seq], tokens: Sequence[int]) -> list[int]:
+        """Append each row's token, stream its delta, and return the indices of rows that finished."""
+        finished: list[int] = []
+        produced = 0
+        for i, (seq, token) in enumerate(zip(rows, tokens, strict=True)):
+            if seq.cancelled:
+                finished.append(i)
+                continue
+            seq.generated += 1
+            seq.last_token = token
+            seq.tokens.append(token)
+            produced += 1
+            reason: str | None = None
+            if not seq.sampling.ignore_eos and token in self._defaults.eos_token_ids:
+                reason, text = "stop", seq.detok.flush()
+            else:
+                text = seq.detok.add(token)
+                if seq.detok.stopped:
+                    reason = "stop"
+                elif (
+                    seq.generated >= seq.sampling.max_tokens
+                    or len(seq.prompt_ids) + seq.generated >= self._max_model_len
+                ):
+                    reason = "length"
+                    text += seq.detok.flush()
+            if seq.request.stream:
+                self._emit(seq, TextFrame(text=text, token_ids=(token,)))
+            elif reason is not None:
+                # Not streamed: the whole answer in one frame.
+                self._emit(seq, TextFrame(text=seq.detok.text, token_ids=tuple(seq.tokens)))
+            if reason is not None:
+                self._emit(seq, FinalFrame(reason, Usage(len(seq.prompt_ids), seq.generated)))
+                finished.append(i)
+        self.context.metrics.add_generated_tokens(produced)
+        return finished
+
+    def _retire(self, batch: _Batch, gone: set[int]) -> _Batch | None:
+        """Remove rows ``gone`` and the cache columns no remaining row attends to."""
+        if not gone:
+            return batch
+        keep = [i for i in range(len(batch.rows)) if i not in gone]
+        if not keep:
+            return None
+        index = torch.tensor(keep, dtype=torch.long, device=self._device)
+        batch.cache.batch_select_indices(index)
+        batch.rows = [batch.rows[i] for i in keep]
+        batch.mask = batch.mask[index]
+        batch.next_pos = batch.next_pos[index]
+        used = batch.mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first > 0:
+            batch.mask = batch.mask[:, first:]
+            batch.cache = _rebuild(batch.cache, lambda t: t[:, :, first:, :])
+        return batch
+
+
+def _merge(running: _Batch, fresh: _Batch) -> _Batch:
+    """One batch from two, left-padding the shorter cache (and its mask) to the longer one's width."""
+    width = max(running.mask.shape[1], fresh.mask.shape[1])
+    a_pad, b_pad = width - running.mask.shape[1], width - fresh.mask.shape[1]
+    a_layers, b_layers = _layers(running.cache), _layers(fresh.cache)
+    data = []
+    for (ak, av), (bk, bv) in zip(a_layers, b_layers, strict=True):
+        data.append(
+            (
+                torch.cat([_left_pad(ak, a_pad), _left_pad(bk, b_pad)], dim=0),
+                torch.cat([_left_pad(av, a_pad), _left_pad(bv, b_pad)], dim=0),
+            )
+        )
+    mask = torch.cat(
+        [
+            torch.nn.functional.pad(running.mask, (a_pad, 0)),
+            torch.nn.functional.pad(fresh.mask, (b_pad, 0)),
+        ],
+        dim=0,
+    )
+    return _Batch(
+        rows=[*running.rows, *fresh.rows],
+        cache=DynamicCache(ddp_cache_data=data),
+        mask=mask,
+        next_pos=torch.cat([running.next_pos, fresh.next_pos]),
+    )
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # DynamicCache keeps (batch, heads, seq, head_dim) tensors per layer; there is no public accessor
+    # for them in transformers 5, so this (and _rebuild) is the one place that reads its layers.
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _rebuild(cache: DynamicCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> DynamicCache:
+    return DynamicCache(ddp_cache_data=[(fn(k), fn(v)) for k, v in _layers(cache)])
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, n, 0))
+
+
+def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
+    for queue_, frame in outbox:
+        queue_.put_nowait(frame)
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

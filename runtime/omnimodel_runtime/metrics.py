@@ -1,0 +1,179 @@
+"""Prometheus metrics of stages and the gateway.
+
+Each app owns a ``CollectorRegistry`` (not the global one), so several apps can live in one process
+(``serve``, tests) without duplicate-registration errors. Metric names are a contract: the operator's
+HPA reads ``omnimodel_queue_depth`` and ``omnimodel_requests_in_flight`` per pod.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["PROMETHEUS_CONTENT_TYPE", "GatewayMetrics", "StageMetrics", "StageMetricsFamily", "render"]
+
+_LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_BATCH_BUCKETS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+# Window over which the tokens/s gauge averages.
+_RATE_WINDOW_S: Final = 10.0
+
+
+class _TokenRate:
+    """Tokens per second over the last ``window`` seconds (thread-safe: engines report from workers)."""
+
+    def __init__(self, window: float = _RATE_WINDOW_S) -> None:
+        self._window = window
+        self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, count))
+            self._trim(now)
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            return sum(c for _, c in self._events) / self._window
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window:
+            self._events.popleft()
+
+
+class StageMetricsFamily:
+    """The stage metric families of one registry; every stage in the process is a label value
+    (``serve`` runs several stages against one registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["stage"]
+        self.queue = Gauge(
+            "omnimodel_queue_depth", "Requests accepted by the engine but not started yet", labels, registry=registry
+        )
+        self.in_flight = Gauge(
+            "omnimodel_requests_in_flight", "Requests the stage is working on", labels, registry=registry
+        )
+        self.requests = Counter(
+            "omnimodel_stage_requests", "Finished stage requests by outcome", [*labels, "outcome"], registry=registry
+        )
+        self.latency = Histogram(
+            "omnimodel_request_duration_seconds",
+            "Stage request latency, first byte in to last frame out",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "omnimodel_time_to_first_token_seconds",
+            "Time from request to its first output frame",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter("omnimodel_generated_tokens", "Output tokens produced", labels, registry=registry)
+        self.prompt_tokens = Counter("omnimodel_prompt_tokens", "Prompt tokens processed", labels, registry=registry)
+        self.batch = Histogram(
+            "omnimodel_batch_size",
+            "Requests per engine forward pass",
+            labels,
+            buckets=_BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.tokens_per_second = Gauge(
+            "omnimodel_generation_tokens_per_second",
+            f"Output tokens per second over the last {_RATE_WINDOW_S:.0f} s",
+            labels,
+            registry=registry,
+        )
+
+    def for_stage(self, stage: str) -> StageMetrics:
+        return StageMetrics(self, stage)
+
+
+class StageMetrics:
+    """Metrics of one stage; also the engine's :class:`~omnimodel_runtime.engines.base.EngineMetrics`."""
+
+    def __init__(self, family: StageMetricsFamily | CollectorRegistry, stage: str) -> None:
+        f = family if isinstance(family, StageMetricsFamily) else StageMetricsFamily(family)
+        self.stage = stage
+        self._queue = f.queue.labels(stage)
+        self._in_flight = f.in_flight.labels(stage)
+        self._requests = f.requests
+        self._latency = f.latency.labels(stage)
+        self._ttft = f.ttft.labels(stage)
+        self._tokens = f.tokens.labels(stage)
+        self._prompt_tokens = f.prompt_tokens.labels(stage)
+        self._batch = f.batch.labels(stage)
+        self._rate = _TokenRate()
+        f.tokens_per_second.labels(stage).set_function(self._rate.rate)
+
+    def track_queue_depth(self, fn: Callable[[], int]) -> None:
+        """Read the queue depth from the engine whenever metrics are scraped."""
+        self._queue.set_function(fn)
+
+    # EngineMetrics hooks (may be called from an engine's worker thread).
+    def observe_batch(self, size: int) -> None:
+        self._batch.observe(size)
+
+    def add_generated_tokens(self, count: int) -> None:
+        if count:
+            self._tokens.inc(count)
+            self._rate.add(count)
+
+    # Request-level hooks (event loop).
+    def request_started(self) -> None:
+        self._in_flight.inc()
+
+    def request_finished(self, *, outcome: str, duration: float, prompt_tokens: int) -> None:
+        self._in_flight.dec()
+        self._requests.labels(self.stage, outcome).inc()
+        self._latency.observe(duration)
+        if prompt_tokens:
+            self._prompt_tokens.inc(prompt_tokens)
+
+    def first_frame(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+
+class GatewayMetrics:
+    """Metrics of the OpenAI-facing gateway."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._requests = Counter(
+            "omnimodel_http_requests", "API requests by route and status", ["route", "status"], registry=registry
+        )
+        self._latency = Histogram(
+            "omnimodel_http_request_duration_seconds",
+            "API request latency (streams: until the last chunk)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._in_flight = Gauge("omnimodel_gateway_requests_in_flight", "API requests being served", registry=registry)
+        self._stage_up = Gauge(
+            "omnimodel_stage_up", "1 when the stage has a healthy endpoint", ["stage"], registry=registry
+        )
+
+    def started(self) -> None:
+        self._in_flight.inc()
+
+    def finished(self, route: str, status: int, duration: float) -> None:
+        self._in_flight.dec()
+        self._requests.labels(route, str(status)).inc()
+        self._latency.labels(route).observe(duration)
+
+    def stage_up(self, stage: str, up: bool) -> None:
+        self._stage_up.labels(stage).set(1 if up else 0)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus text format."""
+    return generate_latest(registry)

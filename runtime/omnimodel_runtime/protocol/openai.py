@@ -1,0 +1,237 @@
+"""OpenAI wire models (the subset OmniModel serves), shaped after vLLM's ``entrypoints/openai`` protocol.
+
+Requests ignore unknown fields (clients send vendor extras freely) but validate every field we act on,
+so a bad value is a 400 naming the field, never a 500 further down. Responses carry exactly the fields
+the official ``openai`` client reads.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# OpenAI's own limit on stop sequences.
+MAX_STOP_SEQUENCES = 4
+_INT64 = 2**63
+
+
+def random_id(prefix: str) -> str:
+    """A response id in OpenAI's style (``chatcmpl-…``, ``cmpl-…``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """The envelope every error response uses: ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- shared
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+StopParam = str | list[str] | None
+
+
+def _check_stop(value: StopParam) -> StopParam:
+    stops = [value] if isinstance(value, str) else (value or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return value
+
+
+def stop_list(value: StopParam) -> tuple[str, ...]:
+    """The stop parameter as a tuple of strings."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Sampling parameters both APIs share (plus vLLM's ``ignore_eos`` extension)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    stop: StopParam = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extension: keep generating past end-of-sequence until max_tokens (benchmarks, tests).
+    ignore_eos: bool = False
+
+    _validate_stop = field_validator("stop")(_check_stop)
+
+
+# ---------------------------------------------------------------- chat
+
+
+class ContentPart(OpenAIBaseModel):
+    """One part of a multi-part message. Text presets render only ``text`` parts; media types arrive
+    with the omni presets and are kept (``extra="allow"``) for them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    logprobs: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` supersedes the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: str | None = "stop"
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------- completions
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. One prompt per request: a string, a one-string list, or token ids."""
+
+    prompt: str | list[str] | list[int]
+    # OpenAI's documented default for the legacy completions API.
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = "stop"
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------- models
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "omnimodel"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,117 @@
+"""The internal stage protocol: what a gateway (or an upstream stage) sends a stage, and what comes back.
+
+A request is a :class:`StageRequest` header plus optional named tensors; a response is a stream of
+frames: :class:`TextFrame` (a text delta with its token ids), :class:`TensorFrame` (named arrays),
+then exactly one :class:`FinalFrame` or :class:`ErrorFrame`. Tensors are numpy arrays here; torch
+lives only inside engines. In ``serve`` mode these objects pass between stages in memory; across
+processes :mod:`omnimodel_runtime.protocol.frames` encodes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnimodel_runtime.errors import StageError
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Model):
+    """Per-request sampling. ``None`` means the model's own default (its generation_config)."""
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class StageRequest(_Model):
+    """The header of a stage request. Exactly one of ``messages``/``prompt``/``prompt_token_ids`` is
+    the input of a ``text-generation`` stage; later tasks read their inputs from ``params`` and tensors.
+    """
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = SamplingParams()
+    # Absolute wall-clock time (Unix seconds) after which the stage abandons the request.
+    deadline: float | None = None
+    # False when nobody downstream reads partial output (a non-streamed API request): the stage may
+    # then send its text in one frame at the end instead of one frame per token, sparing a frame,
+    # an event-loop wake-up and an HTTP chunk per token (vLLM's FINAL_ONLY output kind).
+    stream: bool = True
+    # Task-specific parameters for presets beyond text (voice, image size, steps, ...).
+    params: Mapping[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFrame:
+    """First frame of a request body: the header and any tensors that come with it."""
+
+    request: StageRequest
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TextFrame:
+    """Newly generated text and the token ids behind it (``text`` may be empty while a multi-byte
+    character is incomplete)."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFrame:
+    """Named arrays plus small JSON metadata (e.g. which rows of a streamed hand-off these are)."""
+
+    tensors: Mapping[str, np.ndarray]
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class FinalFrame:
+    """The request is complete."""
+
+    finish_reason: str
+    usage: Usage = Usage()
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    """The request failed; ``status`` is the HTTP status the client should eventually see."""
+
+    message: str
+    status: int = 500
+    type: str = "server_error"
+    param: str | None = None
+
+    def to_error(self) -> StageError:
+        return StageError(self.message, status=self.status, type=self.type, param=self.param)
+
+    @classmethod
+    def from_error(cls, err: StageError) -> ErrorFrame:
+        return cls(message=err.message, status=err.status, type=err.type, param=err.param)
+
+
+# Frames a stage sends back.
+ResponseFrame = TextFrame | TensorFrame | FinalFrame | ErrorFrame
+# Anything that travels in a frame stream (a request body starts with a RequestFrame and may continue
+# with response frames of an upstream stage).
+Frame = RequestFrame | ResponseFrame

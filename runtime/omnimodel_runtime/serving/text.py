@@ -1,0 +1,314 @@
+"""Chat and text completions: OpenAI request -> stage request -> frames -> OpenAI response or SSE.
+
+Streams wait for the first frame before the HTTP response starts, so a request that fails early (a
+stage is down, the prompt is too long) still gets a proper status code and error envelope. Once the
+stream has started, a failure becomes an error chunk followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality
+from omnimodel_runtime.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatMessageParam,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
+    stop_list,
+)
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TextFrame
+from omnimodel_runtime.serving.errors import APIError, error_body
+from omnimodel_runtime.serving.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: BaseModel | dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``data`` as JSON."""
+    payload = data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {payload}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Collected:
+    text: str
+    finish_reason: str
+    usage: UsageInfo
+
+
+def _usage(frame: FinalFrame) -> UsageInfo:
+    u = frame.usage
+    return UsageInfo(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+    )
+
+
+async def _first(frames: AsyncIterator[ResponseFrame], stage_hint: str) -> ResponseFrame:
+    try:
+        return await anext(frames)
+    except StopAsyncIteration:
+        raise StageError(f"{stage_hint} returned no output", status=502) from None
+
+
+async def collect(frames: AsyncIterator[ResponseFrame]) -> Collected:
+    """Run a request to completion and join its text."""
+    parts: list[str] = []
+    try:
+        async for frame in frames:
+            if isinstance(frame, TextFrame):
+                parts.append(frame.text)
+            elif isinstance(frame, FinalFrame):
+                return Collected("".join(parts), frame.finish_reason, _usage(frame))
+    finally:
+        await _aclose(frames)
+    raise StageError("the stage ended the response without finishing it", status=502)
+
+
+async def _aclose(frames: AsyncIterator[ResponseFrame]) -> None:
+    aclose = getattr(frames, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class TextService:
+    """What chat and completions share: validation, stage requests, collecting and streaming."""
+
+    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float) -> None:
+        self.orchestrator = orchestrator
+        self.model_name = orchestrator.pipeline.model.name
+        self.request_timeout = request_timeout
+
+    def check_common(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(
+                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        if req.n != 1:
+            raise APIError("only n=1 is supported", param="n")
+
+    def sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=stop_list(req.stop),
+            ignore_eos=req.ignore_eos,
+        )
+
+    def deadline(self) -> float:
+        return time.time() + self.request_timeout
+
+    async def stream(
+        self,
+        frames: AsyncIterator[ResponseFrame],
+        *,
+        head: list[bytes],
+        delta: Callable[[str], BaseModel],
+        final: Callable[[str], BaseModel],
+        usage: Callable[[UsageInfo], BaseModel] | None,
+    ) -> AsyncIterator[bytes]:
+        """SSE body: ``head`` chunks, one chunk per non-empty text delta, the finish chunk, optionally a
+        usage chunk, then ``[DONE]``. The first frame is awaited before returning, so an early failure
+        raises here (and becomes an HTTP error) instead of inside a 200 stream."""
+        first = await _first(frames, "the stage")
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                for chunk in head:
+                    yield chunk
+                frame: ResponseFrame = first
+                while True:
+                    if isinstance(frame, TextFrame):
+                        if frame.text:
+                            yield sse(delta(frame.text))
+                    elif isinstance(frame, FinalFrame):
+                        yield sse(final(frame.finish_reason))
+                        if usage is not None:
+                            yield sse(usage(_usage(frame)))
+                        break
+                    frame = await _first(frames, "the stage")
+            except StageError as err:
+                yield sse(error_body(err))
+            except Exception as err:
+                log.exception("Streaming a response failed")
+                yield sse(error_body(StageError(f"internal error: {err}", status=500)))
+            finally:
+                with contextlib.suppress(Exception):
+                    await _aclose(frames)
+            yield DONE
+
+        return body()
+
+
+def _message_dict(message: ChatMessageParam) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role}
+    if isinstance(message.content, list):
+        out["content"] = [part.model_dump(exclude_none=True) for part in message.content]
+    else:
+        out["content"] = message.content or ""
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+class ChatService(TextService):
+    """``/v1/chat/completions``."""
+
+    def stage_request(self, req: ChatCompletionRequest, request_id: str) -> StageRequest:
+        """Validate ``req`` and translate it for the entry stage."""
+        self.check_common(req)
+        if req.logprobs:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if req.tools:
+            raise APIError("tool calling is not supported", param="tools")
+        return StageRequest(
+            request_id=request_id,
+            messages=tuple(_message_dict(m) for m in req.messages),
+            sampling=self.sampling(req, req.effective_max_tokens),
+            deadline=self.deadline(),
+            stream=req.stream,
+        )
+
+    def modalities(self, req: ChatCompletionRequest) -> list[Modality]:
+        return [Modality(m) for m in (req.modalities or ["text"])]
+
+    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
+        """A full response, or (``stream=true``) the SSE body."""
+        request_id = secrets.token_hex(16)
+        stage_request = self.stage_request(req, request_id)
+        frames = self.orchestrator.generate(stage_request, self.modalities(req))
+        response_id, created = f"chatcmpl-{request_id}", int(time.time())
+        if not req.stream:
+            result = await collect(frames)
+            return ChatCompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.model_name,
+                choices=[
+                    ChatCompletionResponseChoice(
+                        message=ChatMessage(content=result.text), finish_reason=result.finish_reason
+                    )
+                ],
+                usage=result.usage,
+            )
+
+        def chunk(delta: DeltaMessage, finish: str | None = None) -> ChatCompletionStreamResponse:
+            choice = ChatCompletionResponseStreamChoice(delta=delta, finish_reason=finish)
+            return ChatCompletionStreamResponse(
+                id=response_id, created=created, model=self.model_name, choices=[choice]
+            )
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await self.stream(
+            frames,
+            head=[sse(chunk(DeltaMessage(role="assistant", content="")))],
+            delta=lambda text: chunk(DeltaMessage(content=text)),
+            final=lambda reason: chunk(DeltaMessage(), reason),
+            usage=(
+                (
+                    lambda u: ChatCompletionStreamResponse(
+                        id=response_id, created=created, model=self.model_name, choices=[], usage=u
+                    )
+                )
+                if include_usage
+                else None
+            ),
+        )
+
+
+class CompletionService(TextService):
+    """``/v1/completions`` (legacy text completions), one prompt per request."""
+
+    def stage_request(self, req: CompletionRequest, request_id: str) -> StageRequest:
+        self.check_common(req)
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        if req.logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if req.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        prompt: str | None = None
+        token_ids: tuple[int, ...] | None = None
+        if isinstance(req.prompt, str):
+            prompt = req.prompt
+        elif req.prompt and all(isinstance(p, str) for p in req.prompt):
+            if len(req.prompt) != 1:
+                raise APIError("send one prompt per request (batched prompts are not supported)", param="prompt")
+            prompt = str(req.prompt[0])
+        else:
+            token_ids = tuple(int(t) for t in req.prompt)
+        if (prompt is not None and not prompt) or (token_ids is not None and not token_ids):
+            raise APIError("prompt must not be empty", param="prompt")
+        return StageRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=token_ids,
+            sampling=self.sampling(req, req.max_tokens),
+            deadline=self.deadline(),
+            stream=req.stream,
+        )
+
+    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[bytes]:
+        request_id = secrets.token_hex(16)
+        stage_request = self.stage_request(req, request_id)
+        frames = self.orchestrator.generate(stage_request, [Modality.TEXT])
+        response_id, created = f"cmpl-{request_id}", int(time.time())
+        if not req.stream:
+            result = await collect(frames)
+            return CompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.model_name,
+                choices=[CompletionResponseChoice(text=result.text, finish_reason=result.finish_reason)],
+                usage=result.usage,
+            )
+
+        def chunk(text: str, finish: str | None = None) -> CompletionStreamResponse:
+            choice = CompletionResponseStreamChoice(text=text, finish_reason=finish)
+            return CompletionStreamResponse(id=response_id, created=created, model=self.model_name, choices=[choice])
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await self.stream(
+            frames,
+            head=[],
+            delta=chunk,
+            final=lambda reason: chunk("", reason),
+            usage=(
+                (
+                    lambda u: CompletionStreamResponse(
+                        id=response_id, created=created, model=self.model_name, choices=[], usage=u
+                    )
+                )
+                if include_usage
+                else None
+            ),
+        )

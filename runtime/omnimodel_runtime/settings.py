@@ -1,0 +1,60 @@
+"""Runtime settings: one pydantic-settings object per process, from ``OMNIMODEL_*`` env and CLI flags.
+
+The operator's Deployments set ``OMNIMODEL_MODEL_CACHE``, ``OMNIMODEL_DEVICE`` and (gateway)
+``OMNIMODEL_API_KEY`` and pass ``--pipeline/--stage/--host/--port`` as flags; the CLI hands flags in
+as init arguments, which take precedence over the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Device = Literal["auto", "cpu", "cuda", "xpu", "npu"]
+
+
+def _default_model_cache() -> Path:
+    return Path.home() / ".cache" / "omnimodel" / "models"
+
+
+class RuntimeSettings(BaseSettings):
+    """Everything a stage, gateway or ``serve`` process reads at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="OMNIMODEL_", extra="ignore", frozen=True)
+
+    pipeline: Path | None = None
+    stage: str | None = None
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    # Clients must send ``Authorization: Bearer <key>`` when set (gateway only; stages sit behind a
+    # NetworkPolicy that admits only the gateway and upstream stages).
+    api_key: SecretStr | None = None
+    model_cache: Path = Field(default_factory=_default_model_cache)
+    # Root under which ``pvc://claim/path`` sources are mounted (``<root>/<claim>/<path>``).
+    pvc_root: Path = Path("/mnt/pvc")
+    device: Device = "auto"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # Gateway requests are JSON; a few MiB is plenty and keeps a flood of huge bodies cheap to refuse.
+    max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
+    # Stage requests may carry tensors (a 15 MB hidden-state hand-off and far more for video).
+    stage_max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
+    # Upper bound on one request end to end; becomes the deadline stages enforce.
+    request_timeout: Annotated[float, Field(gt=0)] = 600.0
+    # Connecting to a stage is a LAN hop; a dead pod must fail fast, not after the request timeout.
+    connect_timeout: Annotated[float, Field(gt=0)] = 3.0
+    # Longest silence tolerated between two frames of a stage response before it counts as hung.
+    stage_read_timeout: Annotated[float, Field(gt=0)] = 120.0
+    # How often the gateway re-checks every stage endpoint's /health.
+    health_interval: Annotated[float, Field(gt=0)] = 2.0
+    # How long SIGTERM waits for in-flight requests before the process exits anyway (pods get 60 s).
+    drain_timeout: Annotated[float, Field(ge=0)] = 30.0
+
+    # Batching engines may hold the first request of an idle engine this long (seconds) to start a
+    # burst as one batch. 0 (default) starts at once: with continuous batching, requests arriving
+    # a moment later join at the next step anyway, so waiting only adds latency.
+    batch_wait: Annotated[float, Field(ge=0)] = 0.0
+    max_batch_size: Annotated[int, Field(ge=1)] = 32

@@ -1,0 +1,346 @@
+"""How the gateway talks to a stage: in process (:class:`LocalStage`) or over HTTP (:class:`RemoteStage`).
+
+Both give the orchestrator the same thing: ``generate(StageInput)`` streaming response frames, with
+failures raised as :class:`~omnimodel_runtime.errors.StageError` (never returned as error frames), and
+``ready`` for the gateway's ``/health``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.errors import StageError, StageUnavailableError
+from omnimodel_runtime.metrics import StageMetrics
+from omnimodel_runtime.pipeline import Stage
+from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame_bytes
+from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, RequestFrame, ResponseFrame
+from omnimodel_runtime.settings import RuntimeSettings
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/v1/stage/generate"
+
+
+class StageHandle(abc.ABC):
+    """One stage of the graph as the orchestrator sees it."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Become able to serve (load the engine / reach the endpoints)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Release resources."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Whether a request sent now can be served."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Health details for ``/health``."""
+
+    @abc.abstractmethod
+    def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        """Run one request on the stage; raises ``StageError`` on failure."""
+
+
+async def instrumented(frames: AsyncIterator[ResponseFrame], metrics: StageMetrics) -> AsyncIterator[ResponseFrame]:
+    """Record in-flight count, time to first frame, latency and outcome around an engine stream."""
+    started = time.perf_counter()
+    metrics.request_started()
+    outcome, prompt_tokens, first = "cancelled", 0, True
+    try:
+        async for frame in frames:
+            if first:
+                metrics.first_frame(time.perf_counter() - started)
+                first = False
+            if isinstance(frame, FinalFrame):
+                outcome, prompt_tokens = "ok", frame.usage.prompt_tokens
+            yield frame
+    except StageError as err:
+        outcome = "rejected" if err.status < 500 else "error"
+        raise
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        metrics.request_finished(outcome=outcome, duration=time.perf_counter() - started, prompt_tokens=prompt_tokens)
+
+
+class LocalStage(StageHandle):
+    """An engine in this process (``omnimodel serve``): frames pass as Python objects, no copies.
+
+    ``engine`` is a ready-made engine or a coroutine function creating one at start-up (resolving
+    the model may build a tiny model or download weights, which must not delay the server's start).
+    """
+
+    def __init__(self, stage: Stage, engine: Engine | Callable[[], Awaitable[Engine]], metrics: StageMetrics) -> None:
+        super().__init__(stage)
+        self._factory = None if isinstance(engine, Engine) else engine
+        self.engine: Engine | None = engine if isinstance(engine, Engine) else None
+        self.metrics = metrics
+        self._ready = False
+        self._started = False
+
+    async def start(self) -> None:
+        if self.engine is None:
+            assert self._factory is not None
+            self.engine = await self._factory()
+        self.metrics.track_queue_depth(self.engine.queue_depth)
+        self._started = True
+        await self.engine.start()
+        await self.engine.warmup()
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self.engine is not None and self._started:
+            self._started = False
+            await self.engine.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def describe(self) -> dict[str, Any]:
+        return {"ready": self._ready, "mode": "local", "engine": self.stage.engine.value}
+
+    def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        if not self._ready or self.engine is None:
+            raise StageUnavailableError(f"stage {self.name!r} is not ready yet")
+        return instrumented(self.engine.generate(inp), self.metrics)
+
+
+@dataclass
+class Endpoint:
+    url: str
+    in_flight: int = 0
+    healthy: bool = False
+    last_error: str | None = "not checked yet"
+    checked_at: float | None = field(default=None)
+
+
+class RemoteStage(StageHandle):
+    """A stage served by other processes, reached over the frame protocol.
+
+    Balancing: each request goes to the healthy endpoint with the fewest requests in flight from this
+    gateway (ties rotate). Endpoints marked unhealthy are still tried last, because the health poller
+    may not have seen a restart yet. A refused connection fails over to the next endpoint at once (no
+    request was sent); a connection lost after the response started cannot be retried (tokens already
+    went to the client) and fails the request with a 502 that names the stage.
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        settings: RuntimeSettings,
+        *,
+        endpoints: tuple[str, ...] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(stage)
+        urls = endpoints if endpoints is not None else stage.endpoints
+        if not urls:
+            raise ValueError(f"stage {stage.name!r} has no endpoints in the pipeline file")
+        self.endpoints = [Endpoint(url.rstrip("/")) for url in urls]
+        self._settings = settings
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._rotation = itertools.count()
+
+    async def start(self) -> None:
+        # TCP_NODELAY: frames are small and latency-bound (one per token); Nagle would hold them back.
+        transport = self._transport or httpx.AsyncHTTPTransport(
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], retries=0
+        )
+        s = self._settings
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(
+                connect=s.connect_timeout, read=s.stage_read_timeout, write=s.stage_read_timeout, pool=s.connect_timeout
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        await self.check_health()
+        self._poller = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def ready(self) -> bool:
+        return any(e.healthy for e in self.endpoints)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "mode": "remote",
+            "endpoints": [
+                {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight, "error": e.last_error}
+                for e in self.endpoints
+            ],
+        }
+
+    async def check_health(self) -> None:
+        """Probe every endpoint's ``/health`` once (concurrently)."""
+        await asyncio.gather(*(self._probe(e) for e in self.endpoints))
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get(f"{endpoint.url}/health", timeout=self._settings.connect_timeout)
+        except httpx.HTTPError as err:
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            return
+        if resp.status_code == 200:
+            self._mark(endpoint, healthy=True, error=None)
+        else:
+            self._mark(endpoint, healthy=False, error=f"/health answered {resp.status_code}")
+
+    def _mark(self, endpoint: Endpoint, *, healthy: bool, error: str | None) -> None:
+        if endpoint.healthy != healthy:
+            log.info(
+                "Stage %s endpoint %s became %s%s",
+                self.name,
+                endpoint.url,
+                "healthy" if healthy else "unhealthy",
+                f" ({error})" if error else "",
+            )
+        endpoint.healthy, endpoint.last_error, endpoint.checked_at = healthy, error, time.time()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.health_interval)
+            await self.check_health()
+
+    def _candidates(self) -> list[Endpoint]:
+        turn = next(self._rotation)
+        n = len(self.endpoints)
+        rotated = [self.endpoints[(turn + i) % n] for i in range(n)]
+        # Stable sort: healthy first, then fewest in flight, ties in rotated order.
+        return sorted(rotated, key=lambda e: (not e.healthy, e.in_flight))
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        if self._client is None:
+            raise StageUnavailableError(f"stage {self.name!r} client is not started")
+        if inp.upstream is not None:
+            raise StageError("streamed request bodies are not supported by this gateway yet", status=501)
+        body = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
+        failures: list[str] = []
+        attempts = [(e, try_) for e in self._candidates() for try_ in range(2)]
+        for endpoint, try_ in attempts:
+            if try_ and not failures[-1].endswith(_STALE):
+                continue  # a second try on the same endpoint only after a stale pooled connection
+            endpoint.in_flight += 1
+            started = False
+            try:
+                async for frame in self._stream(endpoint, body):
+                    started = True
+                    yield frame
+                return
+            except _RetryableError as err:
+                # Raised only before the stage produced anything, so nothing reached the caller.
+                assert not started
+                failures.append(f"{endpoint.url}: {err}")
+            finally:
+                endpoint.in_flight -= 1
+        raise StageUnavailableError(f"stage {self.name!r} is unavailable ({'; '.join(failures)})")
+
+    async def _stream(self, endpoint: Endpoint, body: bytes) -> AsyncIterator[ResponseFrame]:
+        assert self._client is not None
+        url = f"{endpoint.url}{GENERATE_PATH}"
+        headers = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+        responded = False
+        try:
+            async with self._client.stream("POST", url, content=body, headers=headers) as resp:
+                responded = True
+                if resp.status_code == 503:
+                    await resp.aread()
+                    self._mark(endpoint, healthy=False, error="stage answered 503 (not ready)")
+                    raise _RetryableError("not ready (503)")
+                if resp.status_code != 200:
+                    raise await self._http_error(resp)
+                decoder = FrameDecoder(max_frame_bytes=self._settings.stage_max_body_bytes)
+                async for chunk in resp.aiter_raw():
+                    for frame in decoder.feed(chunk):
+                        if isinstance(frame, ErrorFrame):
+                            raise frame.to_error()
+                        if isinstance(frame, RequestFrame):
+                            raise FrameError("a stage answered with a request frame")
+                        yield frame
+                        if isinstance(frame, FinalFrame):
+                            return
+                raise StageError(
+                    f"stage {self.name!r} at {endpoint.url} ended its response without a final frame",
+                    status=502,
+                )
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as err:
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            raise _RetryableError(f"cannot connect ({type(err).__name__})") from err
+        except httpx.ReadTimeout as err:
+            raise StageError(
+                f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
+                status=504,
+                type="timeout",
+            ) from err
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+            if not responded:
+                # Typically a pooled keep-alive connection the stage had closed (e.g. a restart): the
+                # request never ran, so another attempt is safe. A dead stage then refuses the connect.
+                raise _RetryableError(f"{type(err).__name__}: {_STALE}") from err
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            raise StageError(
+                f"lost the connection to stage {self.name!r} at {endpoint.url} mid-request ({type(err).__name__})",
+                status=502,
+                type="bad_gateway",
+            ) from err
+        except FrameError as err:
+            raise StageError(
+                f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502
+            ) from err
+
+    async def _http_error(self, resp: httpx.Response) -> StageError:
+        raw = await resp.aread()
+        message = raw[:500].decode(errors="replace")
+        if resp.headers.get("content-type", "").startswith(MEDIA_TYPE):
+            with contextlib.suppress(FrameError):
+                decoder = FrameDecoder()
+                for frame in decoder.feed(raw):
+                    if isinstance(frame, ErrorFrame):
+                        return frame.to_error()
+        return StageError(f"stage {self.name!r} answered HTTP {resp.status_code}: {message}", status=502)
+
+
+_STALE = "connection dropped before a response"
+
+
+class _RetryableError(Exception):
+    """Nothing reached the stage; another endpoint may take the request."""

@@ -1,0 +1,67 @@
+"""Which function builds the tiny model of which preset.
+
+Builders live in their own modules and are imported only when called, so listing presets (and the
+operator-facing parts of the runtime) never pulls in torch. Later presets add one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from omnimodel_runtime.errors import ExtraMissingError
+
+
+class BuildFunction(Protocol):
+    def __call__(self, out: Path, *, seed: int, **options: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class TinyBuilder:
+    """Where the builder of one preset's tiny model lives and what it needs installed."""
+
+    module: str
+    function: str
+    extra: str
+    # Bumped whenever the builder's output changes, so cached builds of an older layout are not reused.
+    version: int = 1
+    default_seed: int = 0
+
+    def load(self) -> BuildFunction:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as err:
+            raise ExtraMissingError(what=f"building tiny models ({self.module})", extra=self.extra, cause=err) from err
+        fn: BuildFunction = getattr(module, self.function)
+        return fn
+
+
+TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
+    "text": TinyBuilder(module="omnimodel_runtime.tiny.text", function="build", extra="transformers"),
+}
+
+
+def tiny_presets() -> tuple[str, ...]:
+    """Presets that have a tiny variant."""
+    return tuple(TINY_BUILDERS)
+
+
+def get_builder(preset: str) -> TinyBuilder:
+    """The builder for ``preset``; a clear error lists the known ones."""
+    try:
+        return TINY_BUILDERS[preset]
+    except KeyError:
+        known = ", ".join(TINY_BUILDERS)
+        raise ValueError(f"no tiny model for preset {preset!r} (known: {known})") from None
+
+
+def build_tiny(preset: str, out: Path, *, seed: int | None = None, **options: Any) -> Path:
+    """Build the tiny model of ``preset`` into ``out`` (created; must not hold another model).
+    ``options`` go to the builder (e.g. ``size`` for a real-size random-weight variant)."""
+    builder = get_builder(preset)
+    out.mkdir(parents=True, exist_ok=True)
+    builder.load()(out, seed=builder.default_seed if seed is None else seed, **options)
+    return out

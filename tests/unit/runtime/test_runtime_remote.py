@@ -1,0 +1,281 @@
+"""Gateway -> stage over the frame protocol (RemoteStage + stage server), all in memory through ASGI."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from runtime_fakes import FakeEngine, asgi_client, fake_context, lifespan, omni_pipeline, text_pipeline
+
+from omnimodel_runtime.api import build_app
+from omnimodel_runtime.engines.base import StageInput
+from omnimodel_runtime.pipeline import Pipeline
+from omnimodel_runtime.protocol.frames import MEDIA_TYPE, decode_frames, encode_frame_bytes, encode_frames
+from omnimodel_runtime.protocol.stage import (
+    ErrorFrame,
+    FinalFrame,
+    RequestFrame,
+    ResponseFrame,
+    StageRequest,
+    TensorFrame,
+    TextFrame,
+    Usage,
+)
+from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.handle import RemoteStage, StageHandle
+from omnimodel_runtime.stage.server import build_stage_app
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+class Router(httpx.AsyncBaseTransport):
+    """Sends each request to the ASGI app registered for its host:port; unknown ones refuse to connect."""
+
+    def __init__(self) -> None:
+        self.apps: dict[str, httpx.ASGITransport] = {}
+        self.refused: list[str] = []
+
+    def add(self, netloc: str, app: FastAPI) -> None:
+        self.apps[netloc] = httpx.ASGITransport(app=app)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        netloc = request.url.netloc.decode()
+        transport = self.apps.get(netloc)
+        if transport is None:
+            self.refused.append(netloc)
+            raise httpx.ConnectError("Connection refused", request=request)
+        return await transport.handle_async_request(request)
+
+
+class Cluster:
+    """Stage servers with fake engines at made-up addresses, and a gateway reaching them over ``Router``."""
+
+    def __init__(self, endpoints: tuple[str, ...], *, live: tuple[str, ...] | None = None) -> None:
+        self.settings = RuntimeSettings(health_interval=3600)
+        self.pipeline = text_pipeline(endpoints=endpoints)
+        self.router = Router()
+        self.engines: dict[str, FakeEngine] = {}
+        self.stage_apps: dict[str, FastAPI] = {}
+        stage = self.pipeline.entry
+        for url in live if live is not None else endpoints:
+            engine = FakeEngine(fake_context(stage))
+            app = build_stage_app(self.settings, self.pipeline, stage.name, engine=engine)
+            netloc = httpx.URL(url).netloc.decode()
+            self.router.add(netloc, app)
+            self.engines[url] = engine
+            self.stage_apps[url] = app
+        self.remote = RemoteStage(stage, self.settings, transport=self.router)
+        handles: dict[str, StageHandle] = {stage.name: self.remote}
+        self.gateway = build_app(self.settings, self.pipeline, handles)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[httpx.AsyncClient]:
+        async with AsyncExitStack() as stack:
+            for app in self.stage_apps.values():
+                await stack.enter_async_context(lifespan(app))
+            await stack.enter_async_context(lifespan(self.gateway))
+            yield await stack.enter_async_context(asgi_client(self.gateway))
+
+
+async def _until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_chat_through_a_remote_stage_matches_the_in_process_answer() -> None:
+    cluster = Cluster(("http://stage-a:8001",))
+    async with cluster.running() as http:
+        resp = await http.post(
+            "/v1/chat/completions", json={"model": "text", "messages": USER, "max_tokens": 3, "seed": 5}
+        )
+        assert resp.status_code == 200
+        body = resp.json()
+        assert body["choices"][0]["message"]["content"] == " w0 w1 w2"
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+        (inp,) = cluster.engines["http://stage-a:8001"].requests
+        assert inp.request.messages == ({"role": "user", "content": "hello there"},)
+        assert (inp.request.sampling.max_tokens, inp.request.sampling.seed) == (3, 5)
+        health = (await http.get("/health")).json()
+        assert health["stages"]["llm"]["endpoints"][0]["healthy"] is True
+
+
+async def test_engine_rejections_cross_the_wire_with_their_status() -> None:
+    cluster = Cluster(("http://stage-a:8001",))
+    async with cluster.running() as http:
+        resp = await http.post(
+            "/v1/chat/completions", json={"model": "text", "messages": [{"role": "user", "content": "REJECT"}]}
+        )
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == "the prompt does not fit"
+        assert resp.json()["error"]["param"] == "messages"
+
+
+async def test_requests_go_to_the_endpoint_with_fewest_in_flight() -> None:
+    a, b = "http://stage-a:8001", "http://stage-b:8001"
+    cluster = Cluster((a, b))
+    async with cluster.running() as http:
+        held = {"model": "text", "messages": [{"role": "user", "content": "HOLD"}], "max_tokens": 2}
+        first = asyncio.create_task(http.post("/v1/chat/completions", json=held))
+        await _until(lambda: any(e.requests for e in cluster.engines.values()))
+        busy = next(url for url, e in cluster.engines.items() if e.requests)
+        idle = b if busy == a else a
+        second = asyncio.create_task(http.post("/v1/chat/completions", json=held))
+        await _until(lambda: bool(cluster.engines[idle].requests))
+        assert len(cluster.engines[busy].requests) == 1
+        for engine in cluster.engines.values():
+            engine.release.set()
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+        assert all(e.in_flight == 0 for e in cluster.remote.endpoints)
+
+
+async def test_a_refused_endpoint_fails_over_and_is_marked_unhealthy() -> None:
+    dead, alive = "http://stage-dead:8001", "http://stage-b:8001"
+    cluster = Cluster((dead, alive), live=(alive,))
+    async with cluster.running() as http:
+        for _ in range(3):
+            resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER})
+            assert resp.status_code == 200
+        assert len(cluster.engines[alive].requests) == 3
+        endpoints = {e["url"]: e for e in (await http.get("/health")).json()["stages"]["llm"]["endpoints"]}
+        assert endpoints[dead]["healthy"] is False
+        assert "ConnectError" in endpoints[dead]["error"]
+        # The gateway is still healthy: the stage has a healthy endpoint.
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_no_reachable_endpoint_is_a_fast_503_naming_the_stage() -> None:
+    cluster = Cluster(("http://stage-a:8001", "http://stage-b:8001"), live=())
+    async with cluster.running() as http:
+        assert (await http.get("/health")).status_code == 503
+        started = time.monotonic()
+        resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER})
+        assert resp.status_code == 503
+        # Refused connections fail at once; the bound only catches a retry loop or a hang.
+        assert time.monotonic() - started < 5
+        message = resp.json()["error"]["message"]
+        assert "stage 'llm' is unavailable" in message
+        assert "stage-a" in message
+        assert "stage-b" in message
+
+
+async def test_a_stage_that_is_still_warming_answers_503_and_is_skipped() -> None:
+    warm, cold = "http://stage-warm:8001", "http://stage-cold:8001"
+    cluster = Cluster((warm, cold))
+    gate = asyncio.Event()
+    cluster.engines[cold].gate = gate
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(lifespan(cluster.stage_apps[warm]))
+        await stack.enter_async_context(lifespan(cluster.stage_apps[cold], wait=False))
+        await stack.enter_async_context(lifespan(cluster.gateway))
+        http = await stack.enter_async_context(asgi_client(cluster.gateway))
+        async with asgi_client(cluster.stage_apps[cold]) as stage_http:
+            assert (await stage_http.get("/health")).status_code == 503
+            assert (await stage_http.get("/livez")).status_code == 200
+        for _ in range(4):
+            assert (
+                await http.post("/v1/chat/completions", json={"model": "text", "messages": USER})
+            ).status_code == 200
+        assert len(cluster.engines[warm].requests) == 4
+        assert cluster.engines[cold].requests == []
+        gate.set()
+
+
+async def test_stage_server_streams_frames_and_passes_request_tensors() -> None:
+    pipeline = text_pipeline()
+    engine = FakeEngine(fake_context(pipeline.entry))
+    app = build_stage_app(RuntimeSettings(), pipeline, "llm", engine=engine)
+    hidden = np.arange(12, dtype=np.float32).reshape(3, 4)
+    body = encode_frame_bytes(
+        RequestFrame(request=StageRequest(request_id="t1", prompt="a b c"), tensors={"hidden": hidden})
+    )
+    async with lifespan(app), asgi_client(app) as http:
+        resp = await http.post("/v1/stage/generate", content=body, headers={"content-type": MEDIA_TYPE})
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == MEDIA_TYPE
+        frames = decode_frames(resp.content)
+        assert frames[0] == TextFrame(" w0", (100,))
+        assert frames[-1] == FinalFrame("length", Usage(3, 5))
+        np.testing.assert_array_equal(engine.requests[0].tensors["hidden"], hidden)
+        metrics = (await http.get("/metrics")).text
+        assert 'omnimodel_stage_requests_total{outcome="ok",stage="llm"} 1.0' in metrics
+        assert 'omnimodel_requests_in_flight{stage="llm"} 0.0' in metrics
+        assert 'omnimodel_queue_depth{stage="llm"} 0.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"", "empty request body"),
+        (b"\x00\x00\x00\x05{nope", "malformed request body"),
+        (encode_frame_bytes(TextFrame("x")), "must start with a request frame"),
+    ],
+)
+async def test_stage_server_refuses_bad_bodies_with_a_400_error_frame(body: bytes, match: str) -> None:
+    pipeline = text_pipeline()
+    app = build_stage_app(RuntimeSettings(), pipeline, "llm", engine=FakeEngine(fake_context(pipeline.entry)))
+    async with lifespan(app), asgi_client(app) as http:
+        resp = await http.post("/v1/stage/generate", content=body)
+        assert resp.status_code == 400
+        (frame,) = decode_frames(resp.content)
+        assert isinstance(frame, ErrorFrame)
+        assert match in frame.message
+
+
+class UpstreamEcho(FakeEngine):
+    """A downstream stage: reports the upstream frames it consumed while they streamed in."""
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        assert inp.upstream is not None
+        rows = 0
+        async for frame in inp.upstream:
+            if isinstance(frame, TensorFrame):
+                rows += int(frame.tensors["row"].shape[0])
+                yield TextFrame(text=f"got {rows}")
+        yield FinalFrame("stop", Usage(0, rows))
+
+
+async def test_a_downstream_stage_consumes_frames_streamed_in_its_request_body() -> None:
+    pipeline: Pipeline = omni_pipeline()
+    talker = pipeline.stage("talker")
+    app = build_stage_app(RuntimeSettings(), pipeline, "talker", engine=UpstreamEcho(fake_context(talker)))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield encode_frame_bytes(RequestFrame(request=StageRequest(request_id="t", prompt="x")))
+        for _ in range(3):
+            yield encode_frame_bytes(TensorFrame(tensors={"row": np.zeros((2, 8), dtype=np.float32)}))
+
+    async with lifespan(app), asgi_client(app) as http:
+        resp = await http.post("/v1/stage/generate", content=body())
+        frames = decode_frames(resp.content)
+        assert [f.text for f in frames if isinstance(f, TextFrame)] == ["got 2", "got 4", "got 6"]
+        assert frames[-1] == FinalFrame("stop", Usage(0, 6))
+
+
+async def test_remote_stage_turns_a_truncated_stream_into_a_502() -> None:
+    stage = text_pipeline().entry
+    truncated = encode_frames([TextFrame(" w0", (1,))])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, stream=httpx.ByteStream(truncated), headers={"content-type": MEDIA_TYPE})
+
+    remote = RemoteStage(stage, RuntimeSettings(), endpoints=("http://s:1",), transport=httpx.MockTransport(handler))
+    await remote.start()
+    try:
+        frames = remote.generate(StageInput(request=StageRequest(request_id="x", prompt="p")))
+        assert await anext(frames) == TextFrame(" w0", (1,))
+        with pytest.raises(Exception, match="without a final frame") as info:
+            await anext(frames)
+        assert getattr(info.value, "status", None) == 502
+    finally:
+        await remote.stop()
