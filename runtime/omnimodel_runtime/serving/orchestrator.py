@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from omnimodel_runtime.engines.base import StageInput
 from omnimodel_runtime.pipeline import Modality, Pipeline, Stage
-from omnimodel_runtime.protocol.stage import ResponseFrame, StageRequest
+from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, ResponseFrame, StageRequest
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.stage.handle import StageHandle
 
@@ -46,15 +49,81 @@ class Orchestrator:
         return self.pipeline.stages_for(wanted)
 
     def generate(self, request: StageRequest, modalities: Iterable[Modality]) -> AsyncIterator[ResponseFrame]:
-        """Stream the frames that answer ``request``."""
+        """Stream the frames that answer a single-stage request (text on the text preset)."""
         stages = self.plan(modalities)
         if len(stages) != 1:
-            # Multi-stage hand-off (thinker -> talker -> code2wav, encode -> denoise -> decode) arrives
-            # with the presets that need it; the frame protocol already carries streamed inputs.
-            names = " -> ".join(s.name for s in stages)
             raise APIError(
-                f"this gateway cannot run requests that span several stages yet ({names})",
+                f"this route cannot yet answer with output that spans {' -> '.join(s.name for s in stages)}",
                 status=501,
                 type="not_implemented",
             )
         return self.handles[stages[0].name].generate(StageInput(request=request))
+
+    async def generate_chain(
+        self, request: StageRequest, modalities: Iterable[Modality]
+    ) -> AsyncIterator[tuple[Stage, ResponseFrame]]:
+        """Run every stage ``modalities`` need as one streaming chain; yield ``(stage, frame)`` for what
+        the client gets.
+
+        Each stage's frames feed the next stage as they are produced (stage k+1 starts on stage k's
+        first frame: a talker on the thinker's first row, a vocoder on the first mel chunk), and the
+        frames of an exit stage of a requested modality also go to the client — text deltas of a
+        thinker while its talker is already running. The upstream's ``FinalFrame`` is passed on as the
+        end-of-input marker. Client frames arrive in production order; every stage's ``FinalFrame`` is
+        yielded too (the caller merges usage). On an ``ErrorFrame`` or a raised error the chain stops:
+        the error is raised here, and every stage still running is cancelled (closing its stream aborts
+        the request in the engine, or the HTTP request to a remote stage).
+        """
+        wanted = list(modalities)
+        stages = self.plan(wanted)
+        for upstream, downstream in itertools.pairwise(stages):
+            if downstream.inputs != (upstream.name,):
+                raise APIError(
+                    f"stage {downstream.name!r} takes {list(downstream.inputs)}; only linear chains are served",
+                    status=501,
+                    type="not_implemented",
+                )
+        exits = {s.name for s in stages if any(m in s.outputs for m in wanted)}
+        out: asyncio.Queue[tuple[Stage, ResponseFrame] | BaseException | None] = asyncio.Queue()
+        feeds: list[asyncio.Queue[ResponseFrame | None]] = [asyncio.Queue() for _ in stages[1:]]
+
+        async def drain(queue: asyncio.Queue[ResponseFrame | None]) -> AsyncIterator[ResponseFrame]:
+            while (frame := await queue.get()) is not None:
+                yield frame
+
+        async def pump(k: int) -> None:
+            stage = stages[k]
+            upstream = drain(feeds[k - 1]) if k > 0 else None
+            feed = feeds[k] if k < len(feeds) else None
+            try:
+                async for frame in self.handles[stage.name].generate(StageInput(request=request, upstream=upstream)):
+                    if isinstance(frame, ErrorFrame):
+                        raise frame.to_error()
+                    if feed is not None:
+                        feed.put_nowait(frame)
+                    if stage.name in exits or isinstance(frame, FinalFrame):
+                        out.put_nowait((stage, frame))
+            finally:
+                if feed is not None:
+                    feed.put_nowait(None)
+
+        async def run_all() -> None:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for k in range(len(stages)):
+                        group.create_task(pump(k))
+            except BaseExceptionGroup as group_err:
+                out.put_nowait(group_err.exceptions[0])
+            else:
+                out.put_nowait(None)
+
+        runner = asyncio.create_task(run_all())
+        try:
+            while (item := await out.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner

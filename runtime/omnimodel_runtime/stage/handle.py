@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from omnimodel_runtime.engines.base import Engine, StageInput
 from omnimodel_runtime.errors import StageError, StageUnavailableError
 from omnimodel_runtime.metrics import StageMetrics
 from omnimodel_runtime.pipeline import Stage
-from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame_bytes
+from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame, encode_frame_bytes
 from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, RequestFrame, ResponseFrame
 from omnimodel_runtime.settings import RuntimeSettings
 
@@ -167,6 +168,10 @@ class RemoteStage(StageHandle):
         self._settings = settings
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        # Streamed request bodies need a full-duplex client: httpcore sends the whole body before it
+        # reads the response, so a downstream stage's output could only start once its upstream had
+        # finished. aiohttp writes the body from its own task while the response is read.
+        self._duplex: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._rotation = itertools.count()
 
@@ -194,6 +199,9 @@ class RemoteStage(StageHandle):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._duplex is not None:
+            await self._duplex.close()
+            self._duplex = None
 
     @property
     def ready(self) -> bool:
@@ -251,9 +259,20 @@ class RemoteStage(StageHandle):
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         if self._client is None:
             raise StageUnavailableError(f"stage {self.name!r} client is not started")
+        head = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
         if inp.upstream is not None:
-            raise StageError("streamed request bodies are not supported by this gateway yet", status=501)
-        body = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
+            # A downstream stage: the body is the request frame followed by the upstream stage's frames
+            # as they are produced, so this stage starts before the upstream one has finished. The
+            # stream can be consumed once, so there is exactly one attempt.
+            endpoint = self._candidates()[0]
+            endpoint.in_flight += 1
+            try:
+                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream)):
+                    yield frame
+            finally:
+                endpoint.in_flight -= 1
+            return
+        body = head
         failures: list[str] = []
         attempts = [(e, try_) for e in self._candidates() for try_ in range(2)]
         for endpoint, try_ in attempts:
@@ -273,6 +292,58 @@ class RemoteStage(StageHandle):
             finally:
                 endpoint.in_flight -= 1
         raise StageUnavailableError(f"stage {self.name!r} is unavailable ({'; '.join(failures)})")
+
+    async def _duplex_stream(self, endpoint: Endpoint, body: AsyncIterator[bytes]) -> AsyncIterator[ResponseFrame]:
+        if self._duplex is None:
+            s = self._settings
+            self._duplex = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=s.connect_timeout, sock_read=s.stage_read_timeout
+                ),
+                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            )
+        url = f"{endpoint.url}{GENERATE_PATH}"
+        headers = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+        try:
+            async with self._duplex.post(url, data=body, headers=headers, chunked=True) as resp:
+                if resp.status != 200:
+                    raw = await resp.read()
+                    raise _error_from_body(self.name, resp.status, resp.headers.get("content-type", ""), raw)
+                if (sock := resp.connection and resp.connection.transport) is not None:
+                    sock.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                decoder = FrameDecoder(max_frame_bytes=self._settings.stage_max_body_bytes)
+                async for chunk in resp.content.iter_any():
+                    for frame in decoder.feed(chunk):
+                        if isinstance(frame, ErrorFrame):
+                            raise frame.to_error()
+                        if isinstance(frame, RequestFrame):
+                            raise FrameError("a stage answered with a request frame")
+                        yield frame
+                        if isinstance(frame, FinalFrame):
+                            return
+                raise StageError(
+                    f"stage {self.name!r} at {endpoint.url} ended its response without a final frame", status=502
+                )
+        except aiohttp.ClientConnectorError as err:
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
+        except TimeoutError as err:
+            raise StageError(
+                f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
+                status=504,
+                type="timeout",
+            ) from err
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            raise StageError(
+                f"lost the connection to stage {self.name!r} at {endpoint.url} mid-request ({type(err).__name__})",
+                status=502,
+                type="bad_gateway",
+            ) from err
+        except FrameError as err:
+            raise StageError(
+                f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502
+            ) from err
 
     async def _stream(self, endpoint: Endpoint, body: bytes) -> AsyncIterator[ResponseFrame]:
         assert self._client is not None
@@ -329,17 +400,28 @@ class RemoteStage(StageHandle):
 
     async def _http_error(self, resp: httpx.Response) -> StageError:
         raw = await resp.aread()
-        message = raw[:500].decode(errors="replace")
-        if resp.headers.get("content-type", "").startswith(MEDIA_TYPE):
-            with contextlib.suppress(FrameError):
-                decoder = FrameDecoder()
-                for frame in decoder.feed(raw):
-                    if isinstance(frame, ErrorFrame):
-                        return frame.to_error()
-        return StageError(f"stage {self.name!r} answered HTTP {resp.status_code}: {message}", status=502)
+        return _error_from_body(self.name, resp.status_code, resp.headers.get("content-type", ""), raw)
+
+
+def _error_from_body(stage: str, status: int, content_type: str, raw: bytes) -> StageError:
+    """A stage's non-200 answer as an error: its own ErrorFrame when it sent one."""
+    if content_type.startswith(MEDIA_TYPE):
+        with contextlib.suppress(FrameError):
+            for frame in FrameDecoder().feed(raw):
+                if isinstance(frame, ErrorFrame):
+                    return frame.to_error()
+    message = raw[:500].decode(errors="replace")
+    return StageError(f"stage {stage!r} answered HTTP {status}: {message}", status=502)
 
 
 _STALE = "connection dropped before a response"
+
+
+async def _streamed_body(head: bytes, upstream: AsyncIterator[ResponseFrame]) -> AsyncIterator[bytes]:
+    yield head
+    async for frame in upstream:
+        for part in encode_frame(frame):
+            yield bytes(part)
 
 
 class _RetryableError(Exception):
