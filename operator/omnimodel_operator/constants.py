@@ -42,6 +42,8 @@ PIPELINE_MOUNT_DIR: Final = "/etc/omnimodel"
 PIPELINE_FILE_KEY: Final = "pipeline.json"
 PIPELINE_PATH: Final = f"{PIPELINE_MOUNT_DIR}/{PIPELINE_FILE_KEY}"
 MODEL_CACHE_DIR: Final = "/models"
+# pvc://claim/path sources are mounted read-only at PVC_ROOT/claim (the runtime's `pvc_root` default).
+PVC_ROOT: Final = "/mnt/pvc"
 STAGE_PORT: Final = 8001
 GATEWAY_PORT: Final = 8000
 HEALTH_PATH: Final = "/health"

@@ -61,7 +61,8 @@ class ModelSpec(KubeModel):
     source: str = Field(
         min_length=1,
         max_length=512,
-        pattern=r"^(hf|pvc|file|tiny)://.+",
+        # pvc:// needs a DNS-1123 claim name (it becomes a volume's claimName).
+        pattern=r"^((hf|file|tiny)://.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?)$",
         description="Where the weights come from: hf://org/name, pvc://claim/path, file:///path, or "
         "tiny://<preset> for random weights built locally from a small config (tests and demos).",
     )

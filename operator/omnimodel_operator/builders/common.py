@@ -154,6 +154,17 @@ def model_cache_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"name": "model-cache", **source}, {"name": "model-cache", "mountPath": C.MODEL_CACHE_DIR}
 
 
+def model_source_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A ``pvc://claim/path`` model source: the claim, read-only, where the runtime looks for it."""
+    source = plan.spec.model.source
+    if not source.startswith("pvc://"):
+        return None
+    claim = source.removeprefix("pvc://").split("/", 1)[0]
+    volume = {"name": "model-source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    mount = {"name": "model-source", "mountPath": f"{C.PVC_ROOT}/{claim}", "readOnly": True}
+    return volume, mount
+
+
 def runtime_env(plan: Plan) -> list[dict[str, Any]]:
     """Env every runtime container gets: caches on writable volumes under a read-only root."""
     return [

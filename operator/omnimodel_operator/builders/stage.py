@@ -17,6 +17,7 @@ from omnimodel_operator.builders.common import (
     merge_env,
     metadata,
     model_cache_volume,
+    model_source_volume,
     pipeline_volume,
     pod_security_context,
     resources_dict,
@@ -50,6 +51,8 @@ def stage_deployment(plan: Plan, sp: StagePlan, image_pull_policy: str) -> Manif
     pipeline_vol, pipeline_mount = pipeline_volume(plan)
     cache_vol, cache_mount = model_cache_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
+    source = model_source_volume(plan)
+    source_vols, source_mounts = ([source[0]], [source[1]]) if source else ([], [])
 
     container: dict[str, Any] = {
         "name": "stage",
@@ -73,14 +76,14 @@ def stage_deployment(plan: Plan, sp: StagePlan, image_pull_policy: str) -> Manif
             env_list(user.env if user else None),
         ),
         "resources": resources_dict(user.resources if user else None, acc.resources(stage.accelerator)),
-        "volumeMounts": [pipeline_mount, cache_mount, *scratch_mounts],
+        "volumeMounts": [pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
         **http_probes("http", startup_seconds=STAGE_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),
         "containers": [container],
-        "volumes": [pipeline_vol, cache_vol, *scratch_vols],
+        "volumes": [pipeline_vol, cache_vol, *source_vols, *scratch_vols],
         "enableServiceLinks": False,
         # Drain in-flight generations (the runtime stops accepting, finishes, then exits).
         "terminationGracePeriodSeconds": 60,

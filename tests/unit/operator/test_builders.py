@@ -148,3 +148,23 @@ def test_pdb_rendered_when_asked() -> None:
     spec["stages"][0]["disruption"] = {"minAvailable": 1}
     out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
     assert out[("PodDisruptionBudget", "m-llm")]["spec"]["minAvailable"] == 1
+
+
+def test_pvc_model_source_is_mounted_read_only_where_the_runtime_looks() -> None:
+    spec = spec_for("text", Vendor.CPU) | {"model": {"source": "pvc://weights/qwen/7b"}}
+    deploy = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))[("Deployment", "m-llm")]
+    pod = deploy["spec"]["template"]["spec"]
+    assert {"name": "model-source", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    assert {"name": "model-source", "mountPath": "/mnt/pvc/weights", "readOnly": True} in container(deploy)[
+        "volumeMounts"
+    ]
+
+
+def test_pvc_source_needs_a_valid_claim_name() -> None:
+    from omnimodel_operator.resolve import InvalidSpec
+
+    spec = spec_for("text", Vendor.CPU) | {"model": {"source": "pvc://Bad_Claim/x"}}
+    with pytest.raises(InvalidSpec, match=r"spec\.model\.source"):
+        resolve("m", "ml", spec, SETTINGS)

@@ -90,3 +90,12 @@ def test_probes_and_pipeline_file_fit_the_runtime_apps() -> None:
         int(c["args"][c["args"].index("--port") + 1]) for c in _containers(manifests) if c["command"][1] == "stage"
     )
     assert all(url.endswith(f":{stage_port}") for url in pipeline.stage("llm").endpoints)
+
+
+def test_runtime_looks_for_pvc_sources_where_the_operator_mounts_them() -> None:
+    from pathlib import Path
+
+    from omnimodel_operator import constants as C
+    from omnimodel_runtime.settings import RuntimeSettings
+
+    assert RuntimeSettings().pvc_root == Path(C.PVC_ROOT)
