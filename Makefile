@@ -49,12 +49,17 @@ unit: cluster-build ## Unit and component tests (no cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 .PHONY: e2e
-e2e: cluster-build ## End-to-end tests on the local control plane (starts and stops it)
-	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
+e2e: cluster-build ## End-to-end tests on the local control plane (reuses a running one)
+	$(PY) -m pytest e2e --ignore=e2e/serving $(PYTEST_ARGS)
+
+.PHONY: e2e-serving
+e2e-serving: cluster-build ## Real requests through gateway and stage pods (own cluster, in a network namespace)
+	$(PY) -m omnimodel_testbed netns -- $(PY) -m pytest e2e/serving $(PYTEST_ARGS)
 
 .PHONY: test
 test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
-	$(PY) -m pytest tests e2e $(PYTEST_ARGS)
+	$(PY) -m pytest tests e2e --ignore=e2e/serving $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory e2e-serving
 
 .PHONY: render
 render: ## Render every example to stdout, as the operator would apply it

@@ -28,14 +28,21 @@ from pathlib import Path
 from .binaries import cache_root
 from .cluster import Cluster, ClusterError
 
-__all__ = ["NETNS_POD_CIDR", "netns_argv", "run_in_netns"]
+__all__ = ["CLUSTER_DNS", "NETNS_POD_CIDR", "netns_argv", "run_in_netns"]
 
 log = logging.getLogger("omnimodel_testbed")
 
 #: Pod CIDR used inside the namespace (kube-flannel's conventional default).
 NETNS_POD_CIDR = "10.244.0.0/16"
 
-_SETUP = 'set -e; "$1" link set lo up; "$1" route add local "$2" dev lo; shift 2; exec "$@"'
+# lo up, the pod CIDR local on lo, and (in the private mount namespace) a resolv.conf that points at
+# the test bed's cluster DNS (omnimodel_testbed.dns), so in-cluster names resolve for pod processes.
+_SETUP = (
+    'set -e; "$1" link set lo up; "$1" route add local "$2" dev lo; '
+    'mount --bind "$3" /etc/resolv.conf; shift 3; exec "$@"'
+)
+#: Where the cluster DNS listens inside the namespace (what the bound resolv.conf names).
+CLUSTER_DNS = ("127.0.0.53", 53)
 
 
 def _which(name: str) -> str:
@@ -45,13 +52,15 @@ def _which(name: str) -> str:
     return path
 
 
-def netns_argv(cmd: Sequence[str], pod_cidr: str = NETNS_POD_CIDR) -> list[str]:
-    """argv that runs ``cmd`` in a fresh user+network namespace with ``pod_cidr`` local on lo."""
+def netns_argv(cmd: Sequence[str], resolv_conf: Path, pod_cidr: str = NETNS_POD_CIDR) -> list[str]:
+    """argv that runs ``cmd`` in fresh user+network+mount namespaces with ``pod_cidr`` local on lo and
+    ``resolv_conf`` bound over /etc/resolv.conf."""
     return [
         _which("unshare"),
         "--user",
         "--map-root-user",
         "--net",
+        "--mount",
         "--",
         "/bin/sh",
         "-c",
@@ -59,6 +68,7 @@ def netns_argv(cmd: Sequence[str], pod_cidr: str = NETNS_POD_CIDR) -> list[str]:
         "sh",
         _which("ip"),
         pod_cidr,
+        str(resolv_conf),
         *cmd,
     ]
 
@@ -88,7 +98,10 @@ def run_in_netns(
     env["OMNIMODEL_TESTBED_STATE_DIR"] = str(state_dir)
     env.pop("OMNIMODEL_KUBECONFIG", None)  # a host cluster is unreachable from inside
     try:
-        rc = subprocess.run(netns_argv(cmd, pod_cidr), env=env, check=False).returncode
+        resolv_conf = state_dir / "resolv.conf"
+        # One quick try: names outside the cluster have nowhere to go in here anyway.
+        resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:1 attempts:1\n")
+        rc = subprocess.run(netns_argv(cmd, resolv_conf, pod_cidr), env=env, check=False).returncode
     finally:
         # PIDs are shared with the host, so a cluster left running inside
         # (which keeps the namespace alive) is stopped from here by PID.

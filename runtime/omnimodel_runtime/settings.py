@@ -50,6 +50,8 @@ class RuntimeSettings(BaseSettings):
     stage_read_timeout: Annotated[float, Field(gt=0)] = 120.0
     # How often the gateway re-checks every stage endpoint's /health.
     health_interval: Annotated[float, Field(gt=0)] = 2.0
+    # Re-resolve stage hostnames (headless Services) to per-pod endpoints on every health poll.
+    resolve_endpoints: bool = True
     # How long SIGTERM waits for in-flight requests before the process exits anyway (pods get 60 s).
     drain_timeout: Annotated[float, Field(ge=0)] = 30.0
 

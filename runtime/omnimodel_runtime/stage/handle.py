@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 import socket
@@ -165,6 +166,8 @@ class RemoteStage(StageHandle):
         if not urls:
             raise ValueError(f"stage {stage.name!r} has no endpoints in the pipeline file")
         self.endpoints = [Endpoint(url.rstrip("/")) for url in urls]
+        # What the pipeline file names; ``endpoints`` is what they currently resolve to.
+        self._configured = tuple(url.rstrip("/") for url in urls)
         self._settings = settings
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -247,7 +250,39 @@ class RemoteStage(StageHandle):
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._settings.health_interval)
+            if self._settings.resolve_endpoints:
+                await self.resolve_endpoints()
             await self.check_health()
+
+    async def resolve_endpoints(self) -> None:
+        """Expand each configured URL to one endpoint per address its host resolves to.
+
+        The operator gives every stage a headless Service, whose DNS name resolves to the addresses of
+        all ready pods: balancing per pod (fewest in flight) needs those, not one virtual IP. Pods come
+        and go, so this runs on every health poll; an endpoint keeps its in-flight count and health while
+        its address stays. A name that does not resolve (a static URL, a DNS outage) is kept as it is.
+        """
+        loop = asyncio.get_running_loop()
+        wanted: list[str] = []
+        for url in self._configured:
+            parsed = httpx.URL(url)
+            host, port = parsed.host, parsed.port or (443 if parsed.scheme == "https" else 80)
+            if _is_ip(host):
+                wanted.append(url)
+                continue
+            try:
+                infos = await asyncio.wait_for(
+                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), self._settings.connect_timeout
+                )
+            except (OSError, TimeoutError):
+                wanted.append(url)
+                continue
+            addresses = sorted({str(info[4][0]) for info in infos})
+            wanted.extend(str(parsed.copy_with(host=addr)).rstrip("/") for addr in addresses)
+        current = {e.url: e for e in self.endpoints}
+        if list(current) != wanted:
+            log.info("Stage %s endpoints: %s", self.name, ", ".join(wanted))
+            self.endpoints = [current.get(url) or Endpoint(url) for url in wanted]
 
     def _candidates(self) -> list[Endpoint]:
         turn = next(self._rotation)
@@ -415,6 +450,14 @@ def _error_from_body(stage: str, status: int, content_type: str, raw: bytes) -> 
 
 
 _STALE = "connection dropped before a response"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def _streamed_body(head: bytes, upstream: AsyncIterator[ResponseFrame]) -> AsyncIterator[bytes]:

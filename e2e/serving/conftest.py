@@ -1,0 +1,57 @@
+"""Fixtures for real traffic through gateway and stage pods (run inside the test bed's netns).
+
+`make e2e-serving` runs this directory as `python -m omnimodel_testbed netns -- pytest e2e/serving`: in
+that network namespace the pod CIDR is local, so a process bound to a pod's IP is reachable at it, and
+/etc/resolv.conf points at the test bed's cluster DNS, which these fixtures serve.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from omnimodel_testbed import Cluster
+from omnimodel_testbed.dns import ClusterDNS, service_addresses
+from omnimodel_testbed.kubelet import PodRunner
+from omnimodel_testbed.netns import CLUSTER_DNS, NETNS_POD_CIDR
+from omnimodel_testbed.pytest_plugin import ClusterHandle
+from support import Kube
+
+
+@pytest.fixture(scope="session")
+def cluster_dns(cluster: ClusterHandle) -> Iterator[ClusterDNS]:
+    if os.environ.get("OMNIMODEL_TESTBED_POD_CIDR") != NETNS_POD_CIDR:
+        pytest.fail("e2e/serving needs the test bed's network namespace: run `make e2e-serving`")
+    assert cluster.state is not None
+    api = Cluster().api(cluster.state)
+    dns = ClusterDNS(partial(service_addresses, api), *CLUSTER_DNS)
+    try:
+        yield dns
+    finally:
+        dns.stop()
+
+
+@pytest.fixture
+def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: Path) -> Iterator[PodRunner]:
+    """Every pod of the test's namespace runs for real, from this checkout's venv."""
+    assert cluster.state is not None
+    runner = PodRunner(
+        Cluster().api(cluster.state),
+        kube.ns,
+        tmp_path / "pods",
+        Path(sys.executable).parent,
+        # One model cache for all pods, as a shared PVC would be: the tiny model is built once.
+        shared_dirs={"model-cache": Path.home() / ".cache" / "omnimodel" / "models"},
+        # Two cores for many processes: one torch thread each avoids thrashing.
+        extra_env={"OMP_NUM_THREADS": "1", "OMNIMODEL_HEALTH_INTERVAL": "0.5"},
+    )
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.stop()

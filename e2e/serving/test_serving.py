@@ -1,0 +1,84 @@
+"""Real requests through the gateway pod to stage pods, placed by the real scheduler, found through
+their headless Service's DNS name, with the official openai client."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+from omnimodel_testbed.kubelet import PodRunner
+from support import Kube, wait_for
+
+REPO = Path(__file__).parents[2]
+
+
+def example(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
+    return doc
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stage_requests(url: str) -> float:
+    """Finished requests a stage process has served, from its own /metrics."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("omnimodel_stage_requests_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_chat_through_gateway_and_stage_pods(kube: Kube, pods: PodRunner) -> None:
+    kube.apply(example("text-tiny.yaml"))
+    kube.wait_ready("text-tiny")
+    gateway = f"text-tiny-gateway.{kube.ns}.svc"
+    # the Service name resolves (cluster DNS from EndpointSlices) to the gateway pod's IP
+    addresses = {info[4][0] for info in socket.getaddrinfo(gateway, 8000, type=socket.SOCK_STREAM)}
+    assert addresses == {p.ip for p in pods.processes("text-tiny-gateway")}
+    base = f"http://{gateway}:8000"
+    wait_for(lambda: healthy(base), 180, interval=0.5, what="gateway /health 200 (stage loaded and warm)")
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    models = [m.id for m in client.models.list().data]
+    assert models == ["text"]
+    reply = client.chat.completions.create(
+        model="text", messages=[{"role": "user", "content": "hello"}], max_tokens=8, seed=1
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens > 0
+    (stage,) = pods.processes("text-tiny-llm")
+    assert stage_requests(f"http://{stage.ip}:8001") == 1
+
+
+def test_scaled_stage_pods_share_the_traffic(kube: Kube, pods: PodRunner) -> None:
+    doc = example("text-tiny.yaml")
+    doc["spec"]["stages"][0]["replicas"] = 2
+    kube.apply(doc)
+    kube.wait_ready("text-tiny")
+    base = f"http://text-tiny-gateway.{kube.ns}.svc:8000"
+    wait_for(lambda: len(pods.processes("text-tiny-llm")) == 2, 60, what="two stage processes")
+    stages = [f"http://{p.ip}:8001" for p in pods.processes("text-tiny-llm")]
+    wait_for(lambda: all(healthy(u) for u in [*stages, base]), 180, interval=0.5, what="all pods healthy")
+    # the gateway finds both pods through the headless Service and balances across them
+    wait_for(
+        lambda: len(httpx.get(f"{base}/health", timeout=5).json()["stages"]["llm"]["endpoints"]) == 2,
+        30,
+        what="gateway sees both stage pods",
+    )
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(6):
+        client.chat.completions.create(model="text", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4)
+    served = [stage_requests(u) for u in stages]
+    assert sum(served) == 6
+    assert all(n > 0 for n in served), served
