@@ -284,7 +284,9 @@ async def test_remote_stage_turns_a_truncated_stream_into_a_502() -> None:
 async def test_hostnames_expand_to_one_endpoint_per_address_and_keep_their_state() -> None:
     """A headless Service name resolves to every ready pod; each becomes an endpoint of its own."""
     settings = RuntimeSettings(health_interval=3600, connect_timeout=0.5)
-    pipeline = text_pipeline(endpoints=("http://localhost:8123", "http://10.1.2.3:8001", "http://no-such-host.invalid:1"))
+    pipeline = text_pipeline(
+        endpoints=("http://localhost:8123", "http://10.1.2.3:8001", "http://no-such-host.invalid:1")
+    )
     remote = RemoteStage(pipeline.entry, settings, transport=Router())
     await remote.resolve_endpoints()
     urls = [e.url for e in remote.endpoints]
