@@ -155,9 +155,11 @@ class PodRunner:
             return value
 
         argv = [*container.get("command", []), *container.get("args", [])]
+        # The arguments are the container's and may name in-container paths; the executable is ours
+        # (and may itself live under a path such as /tmp that a pod mounts over).
         exe = self.bin_dir / argv[0]
-        argv[0] = str(exe) if exe.exists() else argv[0]
-        argv = [ip if a == "0.0.0.0" else host_path(a) for a in argv]
+        args = [ip if a == "0.0.0.0" else host_path(a) for a in argv[1:]]
+        argv = [str(exe) if exe.exists() else argv[0], *args]
 
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
         for item in container.get("env") or []:
