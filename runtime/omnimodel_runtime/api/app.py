@@ -24,14 +24,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics, render
 from omnimodel_runtime.pipeline import Pipeline, Route
+from omnimodel_runtime.protocol.images import ImageChatCompletionRequest, ImageGenerationRequest
 from omnimodel_runtime.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
+from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.serving.chat_audio import ChatAudioService, wants_audio
 from omnimodel_runtime.serving.errors import APIError, envelope, error_body
+from omnimodel_runtime.serving.images import ImageService, answers_chat_with_images
 from omnimodel_runtime.serving.orchestrator import Orchestrator
+from omnimodel_runtime.serving.speech import SpeechService
 from omnimodel_runtime.serving.text import ChatService, CompletionService
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
@@ -44,6 +49,9 @@ T = TypeVar("T")
 CHAT_PATH: Final = "/v1/chat/completions"
 COMPLETIONS_PATH: Final = "/v1/completions"
 MODELS_PATH: Final = "/v1/models"
+SPEECH_PATH: Final = "/v1/audio/speech"
+IMAGES_PATH: Final = "/v1/images/generations"
+VOICES_PATH: Final = "/v1/audio/voices"
 SSE_HEADERS: Final = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -130,6 +138,7 @@ def build_app(
     metrics = GatewayMetrics(registry)
     orchestrator = Orchestrator(pipeline, handles)
     chat = ChatService(orchestrator, request_timeout=settings.request_timeout)
+    chat_audio = ChatAudioService(chat)
     completions = CompletionService(orchestrator, request_timeout=settings.request_timeout)
     startup = Startup()
 
@@ -153,6 +162,10 @@ def build_app(
         served_paths.add(CHAT_PATH)
     if Route.COMPLETIONS in pipeline.routes:
         served_paths.add(COMPLETIONS_PATH)
+    if Route.SPEECH in pipeline.routes:
+        served_paths.add(SPEECH_PATH)
+    if Route.IMAGES in pipeline.routes:
+        served_paths.add(IMAGES_PATH)
     # Added last = outermost: requests refused for size are counted too.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -244,16 +257,45 @@ def build_app(
             return StreamResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(result.model_dump(mode="json"))
 
-    if Route.CHAT in pipeline.routes:
+    images = ImageService(orchestrator, request_timeout=settings.request_timeout)
+    if Route.CHAT in pipeline.routes and answers_chat_with_images(pipeline):
+
+        @app.post(CHAT_PATH, dependencies=guarded)
+        async def image_chat_completions(body: ImageChatCompletionRequest, request: Request) -> Response:
+            return respond(await until_disconnect(request, images.chat(body)))
+
+    elif Route.CHAT in pipeline.routes:
 
         @app.post(CHAT_PATH, dependencies=guarded)
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-            return respond(await until_disconnect(request, chat.create(body)))
+            # Audio runs the whole stage chain; everything else stays on the single-stage text path.
+            service = chat_audio if wants_audio(body) else chat
+            return respond(await until_disconnect(request, service.create(body)))
 
     if Route.COMPLETIONS in pipeline.routes:
 
         @app.post(COMPLETIONS_PATH, dependencies=guarded)
         async def text_completions(body: CompletionRequest, request: Request) -> Response:
             return respond(await until_disconnect(request, completions.create(body)))
+
+    if Route.IMAGES in pipeline.routes:
+
+        @app.post(IMAGES_PATH, dependencies=guarded)
+        async def image_generations(body: ImageGenerationRequest, request: Request) -> Response:
+            return respond(await until_disconnect(request, images.create(body)))
+
+    if Route.SPEECH in pipeline.routes:
+        speech = SpeechService(orchestrator, request_timeout=settings.request_timeout)
+
+        @app.post(SPEECH_PATH, dependencies=guarded)
+        async def audio_speech(body: SpeechRequest, request: Request) -> Response:
+            audio = await until_disconnect(request, speech.create(body))
+            if audio.stream is not None:
+                return StreamResponse(audio.stream, media_type=audio.media_type, headers=audio.headers)
+            return Response(audio.body, media_type=audio.media_type, headers=audio.headers)
+
+        @app.get(VOICES_PATH, dependencies=guarded)
+        async def audio_voices() -> VoiceList:
+            return await speech.voices()
 
     return app

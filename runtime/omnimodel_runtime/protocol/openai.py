@@ -117,6 +117,14 @@ class ChatMessageParam(OpenAIBaseModel):
     name: str | None = None
 
 
+class ChatAudioParam(OpenAIBaseModel):
+    """OpenAI's ``audio`` request parameter: the voice (a speaker of the model) and the output format
+    (``wav`` is a complete file; ``pcm16`` raw little-endian 16-bit samples; streams always send pcm16)."""
+
+    voice: Annotated[str, Field(min_length=1)] | None = None
+    format: Literal["wav", "pcm16"] = "wav"
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -125,6 +133,9 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[Literal["text", "audio"]] | None = None
     logprobs: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    audio: ChatAudioParam | None = None
+    # vLLM-Omni's way of naming the voice (same meaning as ``audio.voice``).
+    speaker: Annotated[str, Field(min_length=1)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -132,9 +143,19 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class ChatCompletionAudio(OpenAIBaseModel):
+    """``message.audio`` of a response with audio: ``data`` is base64 (a WAV file unless asked otherwise)."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    audio: ChatCompletionAudio | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -171,6 +192,38 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class AudioDelta(OpenAIBaseModel):
+    """A streamed piece of ``message.audio``: ``data`` is base64 raw PCM16 (24 kHz mono for Qwen-Omni)."""
+
+    id: str
+    data: str | None = None
+    expires_at: int | None = None
+    transcript: str | None = None
+
+
+class AudioDeltaMessage(DeltaMessage):
+    audio: AudioDelta | None = None
+
+
+class AudioStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    delta: AudioDeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class AudioChatCompletionStreamResponse(OpenAIBaseModel):
+    """A chunk of a stream that carries audio; ``modality`` names what it carries (as vLLM-Omni does)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    modality: Literal["text", "audio"]
+    choices: list[AudioStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -95,17 +95,17 @@ class Orchestrator:
             stage = stages[k]
             upstream = drain(feeds[k - 1]) if k > 0 else None
             feed = feeds[k] if k < len(feeds) else None
-            try:
-                async for frame in self.handles[stage.name].generate(StageInput(request=request, upstream=upstream)):
-                    if isinstance(frame, ErrorFrame):
-                        raise frame.to_error()
-                    if feed is not None:
-                        feed.put_nowait(frame)
-                    if stage.name in exits or isinstance(frame, FinalFrame):
-                        out.put_nowait((stage, frame))
-            finally:
+            async for frame in self.handles[stage.name].generate(StageInput(request=request, upstream=upstream)):
+                if isinstance(frame, ErrorFrame):
+                    raise frame.to_error()
                 if feed is not None:
-                    feed.put_nowait(None)
+                    feed.put_nowait(frame)
+                if stage.name in exits or isinstance(frame, FinalFrame):
+                    out.put_nowait((stage, frame))
+            # End of input for the next stage only after a clean finish: on failure the task group
+            # cancels the downstream stages instead, so none of them reports an early, empty finish.
+            if feed is not None:
+                feed.put_nowait(None)
 
         async def run_all() -> None:
             try:

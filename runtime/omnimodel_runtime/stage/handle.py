@@ -15,6 +15,7 @@ import itertools
 import logging
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,14 @@ from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, RequestFram
 from omnimodel_runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
+
+# Per event loop: an asyncio.Lock belongs to the loop it first waits on (tests run many loops).
+_LOAD_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _load_lock() -> asyncio.Lock:
+    return _LOAD_LOCKS.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+
 
 GENERATE_PATH = "/v1/stage/generate"
 
@@ -111,7 +120,10 @@ class LocalStage(StageHandle):
             self.engine = await self._factory()
         self.metrics.track_queue_depth(self.engine.queue_depth)
         self._started = True
-        await self.engine.start()
+        # One engine loads at a time in a process: transformers' and diffusers' lazy imports and
+        # from_pretrained are not safe to run from several threads at once (seen: corrupted modules).
+        async with _load_lock():
+            await self.engine.start()
         await self.engine.warmup()
         self._ready = True
 

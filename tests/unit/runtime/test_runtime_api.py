@@ -283,13 +283,12 @@ async def test_text_chat_on_an_omni_pipeline_touches_only_the_thinker() -> None:
         assert len(serve.engines["thinker"].requests) == 1
         assert serve.engines["talker"].requests == []
         assert serve.engines["code2wav"].requests == []
-        # Audio needs thinker -> talker -> code2wav, which this issue does not run yet: a clear 501.
+        # Audio needs thinker -> talker -> code2wav: the whole chain runs, each stage once.
         resp = await http.post(
             "/v1/chat/completions", json={"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"]}
         )
-        assert resp.status_code == 501
-        assert "thinker -> talker -> code2wav" in resp.json()["error"]["message"]
-        assert serve.engines["talker"].requests == []
+        assert resp.status_code == 200
+        assert [len(serve.engines[s].requests) for s in ("thinker", "talker", "code2wav")] == [2, 1, 1]
 
 
 async def test_asking_a_text_model_for_audio_is_400(http: httpx.AsyncClient) -> None:

@@ -1,0 +1,460 @@
+"""What the three Qwen2.5-Omni stage engines (thinker, talker, code2wav) share.
+
+- **Loading** each part from ONE full checkpoint (``thinker.*``, ``talker.*``, ``token2wav.*`` keys) and
+  checking that every weight of the part was found (``Qwen2_5OmniToken2WavModel.from_pretrained`` on a
+  full checkpoint reports success but leaves every weight random, so token2wav is loaded by prefix).
+- **The edge formats** (frame kinds, tensor names, dtypes; documented in docs/pipelines/qwen2.5-omni.md).
+- **Speakers** (``spk_dict.pt``) and voice resolution, identical in every stage that needs it.
+- **Per-request randomness** for Hugging Face ``generate()``: its sampling draws from the process-global
+  generator, which the thinker and talker (and other requests) would otherwise share. :class:`RngTurn`
+  lends the global generator to one request for exactly the span of one sampling step.
+- **The worker**: one thread per engine, fed by a queue, one request at a time (the modules keep per-call
+  state such as ``rope_deltas`` during ``generate()``, so one instance must not run two calls at once);
+  frames are posted back to the event loop thread-safely, cancellation is a flag checked every step.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+from transformers import Qwen2_5OmniConfig
+from transformers.utils import logging as hf_logging
+
+from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.stage import (
+    ErrorFrame,
+    FinalFrame,
+    ResponseFrame,
+    StageRequest,
+    TensorFrame,
+)
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- edge formats
+
+# ``TensorFrame.meta["kind"]`` of each frame crossing an internal edge.
+PROMPT_KIND: Final = "omni.thinker.prompt"  # thinker -> talker, once, after the thinker's prefill
+REPLY_KIND: Final = "omni.thinker.reply"  # thinker -> talker, one row per generated text token
+CODES_KIND: Final = "omni.talker.codes"  # talker -> code2wav, codec codes as they are sampled
+RNG_KIND: Final = "omni.talker.rng"  # talker -> code2wav, the talker's generator state at its end
+AUDIO_META: Final = {"modality": "audio"}  # code2wav -> client (plus sample_rate)
+
+SAMPLE_RATE: Final = 24000
+GENERATION_FILE: Final = "omni_generation_config.json"
+SPEAKER_FILE: Final = "spk_dict.pt"
+# The whole model's generate() uses this voice when none is named.
+DEFAULT_VOICE: Final = "Chelsie"
+
+# bfloat16 has no numpy dtype: such rows travel as their raw 16-bit patterns (lossless, 2 bytes a value).
+_BF16: Final = "bfloat16"
+
+
+def rows_to_wire(rows: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A (n, H) tensor as a numpy array plus the torch dtype name the receiver restores."""
+    rows = rows.detach().to("cpu").contiguous()
+    if rows.dtype == torch.bfloat16:
+        return rows.view(torch.int16).numpy().view(np.uint16), _BF16
+    return rows.numpy(), str(rows.dtype).removeprefix("torch.")
+
+
+def rows_from_wire(arr: np.ndarray, dtype: str, device: str) -> torch.Tensor:
+    """Inverse of :func:`rows_to_wire` (a copy: wire arrays are read-only views of the body)."""
+    if dtype == _BF16:
+        return torch.from_numpy(np.array(arr, dtype=np.uint16).view(np.int16)).view(torch.bfloat16).to(device)
+    expected = getattr(torch, dtype, None)
+    tensor = torch.from_numpy(np.array(arr))
+    if not isinstance(expected, torch.dtype) or tensor.dtype != expected:
+        raise StageError(f"rows arrived as {arr.dtype}, declared {dtype}", status=400)
+    return tensor.to(device)
+
+
+# ---------------------------------------------------------------- loading
+
+
+_quiet_lock = threading.Lock()
+_quiet_depth = [0, 0]  # [threads inside, verbosity to restore]
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Loading a part from a full checkpoint makes transformers report every other part's keys as
+    "unexpected" (and print progress bars); completeness is checked here instead, so that is noise.
+    Counted, because the three stages of ``serve`` load concurrently and share transformers' logger."""
+    hf_logging.disable_progress_bar()
+    with _quiet_lock:
+        if _quiet_depth[0] == 0:
+            _quiet_depth[1] = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+        _quiet_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth[0] -= 1
+            if _quiet_depth[0] == 0:
+                hf_logging.set_verbosity(_quiet_depth[1])
+
+
+def load_config(model_dir: Path) -> Any:
+    with quiet_transformers():
+        return Qwen2_5OmniConfig.from_pretrained(model_dir)
+
+
+def load_part(cls: Any, model_dir: Path, sub_config: Any, *, dtype: Any, device: str) -> Any:
+    """``cls`` (thinker or talker class) with its weights from the full checkpoint in ``model_dir``.
+
+    transformers strips the part's prefix (its ``base_model_prefix``) and leaves the other parts' keys
+    unused; a part with any weight left unloaded is an error, not a warning.
+    """
+    with quiet_transformers():
+        model, info = cls.from_pretrained(model_dir, config=sub_config, dtype=dtype, output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", ()) if k]
+    if missing:
+        raise RuntimeError(f"{model_dir} lacks {len(missing)} weights of {cls.__name__} (e.g. {missing[:3]})")
+    return model.to(device).eval()
+
+
+def load_prefixed(module: torch.nn.Module, model_dir: Path, prefix: str) -> None:
+    """Load every ``<prefix>``-keyed tensor of the checkpoint into ``module`` strictly."""
+    from safetensors import safe_open  # noqa: PLC0415  (part of the runtime extra; only engines need it)
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open handles are not mappings)
+                if key.startswith(prefix):
+                    state[key[len(prefix) :]] = f.get_tensor(key)
+    if not state:
+        raise RuntimeError(f"{model_dir} has no weights under {prefix!r}")
+    module.load_state_dict(state, strict=True)
+
+
+def generation_overrides(model_dir: Path, part: str, engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage parameters from the model directory's :data:`GENERATION_FILE` (``{part: {...}}``), then the
+    stage's ``engine_args`` (``{part}_{key}`` or a ``generation`` mapping) on top."""
+    path = model_dir / GENERATION_FILE
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    out = dict(data.get(part, {}))
+    out.update(engine_args.get("generation", {}) or {})
+    prefix = f"{part}_"
+    out.update({k[len(prefix) :]: v for k, v in engine_args.items() if k.startswith(prefix)})
+    return out
+
+
+# ---------------------------------------------------------------- speakers
+
+
+@dataclass(frozen=True)
+class Speakers:
+    """The voices of ``spk_dict.pt``: ``{name: {bos_token, cond, ref_mel}}``."""
+
+    entries: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Speakers:
+        path = model_dir / SPEAKER_FILE
+        if not path.is_file():
+            raise RuntimeError(f"{model_dir} has no {SPEAKER_FILE}: the model has no voices")
+        data = torch.load(path, weights_only=True, map_location="cpu")
+        return cls(entries={str(k): v for k, v in data.items()})
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def resolve(self, voice: str | None) -> str:
+        """The speaker-map key for ``voice`` (case-insensitive); the whole model's default when unset."""
+        if voice is None:
+            return DEFAULT_VOICE if DEFAULT_VOICE in self.entries else self.names[0]
+        for name in self.entries:
+            if name.lower() == voice.lower():
+                return name
+        raise StageError(
+            f"unknown voice {voice!r}; this model speaks with: {', '.join(self.names)}",
+            status=400,
+            param="audio.voice",
+        )
+
+    def __getitem__(self, name: str) -> Mapping[str, Any]:
+        return self.entries[name]
+
+
+def request_voice(request: StageRequest) -> str | None:
+    voice = request.params.get("voice")
+    return None if voice is None else str(voice)
+
+
+# ---------------------------------------------------------------- randomness
+
+
+class RngTurn:
+    """One request's random stream, lent to Hugging Face's sampling step through the global generator.
+
+    ``generate()`` samples with ``torch.multinomial`` on the process-global generator of the logits'
+    device. Installed as a forward hook (:meth:`begin`, after the logits exist) and a stopping criterion
+    (:meth:`end`, right after the token was drawn), this swaps the request's state in and out under a
+    process-wide lock, so concurrent stages and requests never draw from each other's stream, and the
+    draws equal those of the whole model seeded with the same seed. The lock is held only between the
+    two calls (logits processing and one ``multinomial``), never while waiting for input.
+    """
+
+    _lock: Final = threading.Lock()
+
+    def __init__(self, device: str, seed: int) -> None:
+        self._device = torch.device(device)
+        gen = torch.Generator(device=self._device)
+        gen.manual_seed(seed)
+        self.state = gen.get_state()
+        self._held = False
+
+    def _get(self) -> torch.Tensor:
+        if self._device.type == "cpu":
+            return torch.get_rng_state()
+        state: torch.Tensor = torch.get_device_module(self._device.type).get_rng_state(self._device)
+        return state
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self._device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(self._device.type).set_rng_state(state, self._device)
+
+    def begin(self) -> None:
+        if not self._held:
+            self._lock.acquire()
+            self._held = True
+            self._set(self.state)
+
+    def end(self) -> None:
+        if self._held:
+            self.state = self._get()
+            self._held = False
+            self._lock.release()
+
+    def generator(self) -> torch.Generator:
+        """A private generator continuing this stream (for draws outside ``generate()``)."""
+        gen = torch.Generator(device=self._device)
+        gen.set_state(self.state)
+        return gen
+
+
+# ---------------------------------------------------------------- the worker
+
+
+class CancelledRequestError(Exception):
+    """Raised inside the worker when the caller went away or the deadline passed."""
+
+
+_END: Final = object()  # end of an upstream feed
+_STOP: Final = object()  # worker shutdown
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside a worker. ``cancelled`` is the only field the event loop writes."""
+
+    request: StageRequest
+    out: asyncio.Queue[ResponseFrame]
+    loop: asyncio.AbstractEventLoop
+    feed: queue.Queue[Any] = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def emit(self, frame: ResponseFrame) -> None:
+        # The loop may be gone during shutdown; nobody is listening then.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.out.put_nowait, frame)
+
+    def check(self) -> None:
+        """Abort the request (in the worker) when nobody wants it any more."""
+        if self.cancelled:
+            raise CancelledRequestError
+        deadline = self.request.deadline
+        if deadline is not None and time.time() >= deadline:
+            raise StageError("the request ran past its deadline", status=504, type="timeout")
+
+    def upstream(self, poll: float = 0.05) -> Iterator[ResponseFrame]:
+        """The upstream stage's frames, blocking until each arrives (checking for cancellation)."""
+        while True:
+            try:
+                item = self.feed.get(timeout=poll)
+            except queue.Empty:
+                self.check()
+                continue
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class OmniEngine(Engine, abc.ABC):
+    """A worker-thread engine running one Qwen2.5-Omni part; subclasses load and run requests."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.args = dict(context.stage.engine_args)
+        self.device = resolve_device(context.settings.device)
+        self.dtype = torch_dtype(self.args.get("dtype"), self.device)
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._current: Job | None = None  # the job the worker is running (so stop() can abort it)
+
+    # ------------------------------------------------------------ subclass hooks
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load the part (worker thread)."""
+
+    def prepare(self, inp: StageInput, job: Job) -> None:
+        """Validate the request on the event loop (raise ``StageError`` 4xx); may fill ``job.data``."""
+
+    @abc.abstractmethod
+    def run(self, job: Job) -> None:
+        """Serve one request on the worker thread, emitting frames; the worker adds nothing after it."""
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
+        )
+        self._thread.start()
+        await loaded
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._inbox.put(_STOP)
+        current = self._current
+        if current is not None:
+            # A talker waiting for rows that will never come must not hold the shutdown forever.
+            current.cancelled = True
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def queue_depth(self) -> int:
+        return self._inbox.qsize()
+
+    @property
+    def busy(self) -> bool:
+        """Whether the worker is running a request right now."""
+        return self._current is not None
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        if self._thread is None or self._loop is None:
+            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        job = Job(request=inp.request, out=asyncio.Queue(), loop=self._loop)
+        self.prepare(inp, job)
+        pump = asyncio.create_task(self._pump(inp.upstream, job)) if inp.upstream is not None else None
+        self._inbox.put(job)
+        try:
+            while True:
+                frame = await job.out.get()
+                if isinstance(frame, ErrorFrame):
+                    raise frame.to_error()
+                yield frame
+                if isinstance(frame, FinalFrame):
+                    return
+        finally:
+            job.cancelled = True
+            if pump is not None:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    @staticmethod
+    async def _pump(upstream: AsyncIterator[ResponseFrame], job: Job) -> None:
+        """Move upstream frames into the worker's thread-safe feed as they arrive."""
+        try:
+            async for frame in upstream:
+                job.feed.put(frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the worker raises it where it waits for input
+            job.feed.put(err)
+        finally:
+            job.feed.put(_END)
+
+    # ------------------------------------------------------------ worker thread
+
+    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            with torch.inference_mode():
+                self.load()
+        except BaseException as err:
+            loop.call_soon_threadsafe(_set_exception, loaded, err)
+            return
+        loop.call_soon_threadsafe(_set_result, loaded)
+        log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
+        while True:
+            job = self._inbox.get()
+            if job is _STOP:
+                self._refuse_queued()
+                return
+            if job.cancelled:
+                continue
+            self._current = job
+            try:
+                with torch.inference_mode():
+                    self.run(job)
+            except CancelledRequestError:
+                pass
+            except StageError as err:
+                job.emit(ErrorFrame.from_error(err))
+            except Exception as err:  # a failed request fails itself, not the engine
+                log.exception("Request %s failed in stage %s", job.request.request_id, self.stage.name)
+                job.emit(ErrorFrame(f"stage {self.stage.name!r} failed: {err}", status=500))
+            finally:
+                self._current = None
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, Job):
+                job.emit(ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
+
+
+def tensor_frame(kind: str, tensors: Mapping[str, np.ndarray], **meta: Any) -> TensorFrame:
+    return TensorFrame(tensors=dict(tensors), meta={"kind": kind, **meta})
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

@@ -1,0 +1,307 @@
+"""What the two TTS stages share, without torch: model-directory layout, voices, generation bounds, the
+streaming time-stretch of mel frames, the vocoder's chunk plan, and a queue-fed worker thread.
+
+The streaming pieces are exact by construction: every output value is computed from the same inputs
+with the same elementwise operations whether the input arrives at once or in chunks, so streamed and
+whole-utterance output differ only where a convolution runs over a window instead of the whole
+sequence (float rounding, never a seam: windows carry the model's full receptive field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import numpy as np
+
+from omnimodel_runtime.errors import RuntimeSetupError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ACOUSTIC_DIR: Final = "acoustic"
+VOCODER_DIR: Final = "vocoder"
+VOICES_DIR: Final = "voices"
+SPEECH_CONFIG: Final = "speech.json"
+DEFAULT_VOICE: Final = "default"
+VOICE_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# The request parameter that asks the acoustic stage for its voices instead of speech.
+QUERY_VOICES: Final = "voices"
+
+MIN_SPEED: Final = 0.25
+MAX_SPEED: Final = 4.0
+
+
+def stage_dir(model_dir: Path, engine_args: Mapping[str, Any], default: str) -> Path:
+    """Where one stage's weights are: ``engine_args["path"]`` (absolute, or relative to the model
+    directory), else the stage's subdirectory when it holds a model, else the model directory itself
+    (a plain ``microsoft/speecht5_tts`` snapshot serves as the acoustic stage as it is)."""
+    given = engine_args.get("path")
+    if given:
+        path = Path(str(given))
+        return path if path.is_absolute() else model_dir / path
+    sub = model_dir / default
+    return sub if (sub / "config.json").is_file() else model_dir
+
+
+@dataclass(frozen=True)
+class GenerationBounds:
+    """SpeechT5's stopping rule: stop once the stop head's probability (summed over the reduction
+    factor) reaches ``threshold``, but not before ``minlenratio`` and not after ``maxlenratio`` decoder
+    steps per encoder position, divided by the reduction factor (``generate()``'s arguments)."""
+
+    threshold: float = 0.5
+    minlenratio: float = 0.0
+    maxlenratio: float = 20.0
+
+    @classmethod
+    def load(cls, model_dir: Path, engine_args: Mapping[str, Any]) -> GenerationBounds:
+        """``speech.json`` in the model directory (when present), overridden by engine arguments."""
+        data: dict[str, Any] = {}
+        path = model_dir / SPEECH_CONFIG
+        if path.is_file():
+            loaded = json.loads(path.read_text())
+            if not isinstance(loaded, dict):
+                raise RuntimeSetupError(f"{path} must hold a JSON object")
+            data.update(loaded)
+        for key in ("threshold", "minlenratio", "maxlenratio"):
+            if key in engine_args:
+                data[key] = engine_args[key]
+        try:
+            bounds = cls(
+                threshold=float(data.get("threshold", cls.threshold)),
+                minlenratio=float(data.get("minlenratio", cls.minlenratio)),
+                maxlenratio=float(data.get("maxlenratio", cls.maxlenratio)),
+            )
+        except (TypeError, ValueError) as err:
+            raise RuntimeSetupError(f"invalid speech generation bounds {data}: {err}") from err
+        if not 0 <= bounds.minlenratio <= bounds.maxlenratio or bounds.maxlenratio <= 0:
+            raise RuntimeSetupError(f"need 0 <= minlenratio <= maxlenratio and maxlenratio > 0, got {bounds}")
+        return bounds
+
+
+def load_voices(voices_dir: Path, dim: int) -> dict[str, np.ndarray]:
+    """Named speaker embeddings (``<name>.npy``, ``dim`` float values each). A ``default`` voice always
+    exists: the shipped ``default.npy``, else a zero embedding (SpeechT5 normalises the embedding, so
+    zero means "no speaker conditioning")."""
+    voices: dict[str, np.ndarray] = {}
+    if voices_dir.is_dir():
+        for path in sorted(voices_dir.glob("*.npy")):
+            name = path.stem
+            if not VOICE_NAME.match(name):
+                log.warning("Skipped voice file %s: the name must match %s", path, VOICE_NAME.pattern)
+                continue
+            emb = np.load(path, allow_pickle=False)
+            emb = np.asarray(emb, dtype=np.float32).reshape(-1)
+            if emb.shape != (dim,):
+                raise RuntimeSetupError(f"voice {path} has {emb.size} values; the acoustic model needs {dim}")
+            if not np.isfinite(emb).all():
+                raise RuntimeSetupError(f"voice {path} holds NaN or infinite values")
+            voices[name] = emb
+    voices.setdefault(DEFAULT_VOICE, np.zeros(dim, dtype=np.float32))
+    return voices
+
+
+class TimeStretch:
+    """Changes the duration of a mel stream by ``speed`` (2.0 = twice as fast), pitch unchanged.
+
+    Output frame ``j`` is the linear interpolation of the input at position ``j * speed``; for ``T``
+    input frames there are ``floor((T - 1) / speed) + 1`` output frames. A frame is emitted as soon as
+    both input frames around its position have arrived, with the same arithmetic whichever chunk they
+    came in, so a streamed stretch equals the stretch of the whole utterance exactly.
+    """
+
+    def __init__(self, speed: float) -> None:
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
+        self.speed = speed
+        self._buf: np.ndarray | None = None  # input frames from index self._base on
+        self._base = 0
+        self._next = 0  # next output frame
+
+    def push(self, frames: np.ndarray, *, final: bool = False) -> np.ndarray:
+        """Add input frames ``(n, bins)``; return the output frames that became computable."""
+        frames = np.asarray(frames, dtype=np.float32)
+        if self.speed == 1.0:
+            return frames
+        self._buf = frames if self._buf is None else np.concatenate([self._buf, frames])
+        available = self._base + len(self._buf)
+        if available == 0:
+            return frames[:0]
+        # Output j needs input floor(x_j) + 1 (its right neighbour) unless the stream ended, when the
+        # last frame stands in for it (with weight 0 it does not change the value anyway).
+        last = math.floor((available - 1) / self.speed)
+        if not final:
+            while last >= self._next and math.floor(last * self.speed) > available - 2:
+                last -= 1
+        if last < self._next:
+            return self._buf[:0]
+        pos = np.arange(self._next, last + 1, dtype=np.float64) * self.speed
+        left = np.floor(pos).astype(np.int64)
+        right = np.minimum(left + 1, available - 1)
+        weight = (pos - left).astype(np.float32)[:, None]
+        a = self._buf[left - self._base]
+        b = self._buf[right - self._base]
+        out = a + (b - a) * weight
+        self._next = last + 1
+        # Frames before the next output's left neighbour are no longer needed (at speed > 1 that may
+        # be beyond what has arrived: then everything goes).
+        keep_from = min(math.floor(self._next * self.speed), available)
+        if keep_from > self._base:
+            self._buf = self._buf[keep_from - self._base :]
+            self._base = keep_from
+        result: np.ndarray = out.astype(np.float32, copy=False)
+        return result
+
+
+@dataclass(frozen=True)
+class ChunkWindow:
+    """Vocode input frames ``[lo, hi)`` and keep the output of frames ``[start, end)``."""
+
+    lo: int
+    start: int
+    end: int
+    hi: int
+
+
+class ChunkPlan:
+    """When and over which window a streaming vocoder runs.
+
+    A chunk of frames ``[start, end)`` is vocoded over ``[start - context, end + context)`` (clipped to
+    the utterance), where ``context`` covers the vocoder's receptive field: every output sample kept
+    then sees exactly the input it would see in a whole-utterance run, so chunks join without seams.
+    Chunks start small (``first`` frames, for a short time to first audio) and double up to ``largest``
+    (each chunk recomputes ``2 * context`` frames, so later chunks are larger to amortise that).
+    """
+
+    def __init__(self, *, first: int, largest: int, context: int) -> None:
+        if first < 1 or largest < first or context < 0:
+            raise ValueError(f"need 1 <= first <= largest and context >= 0 (got {first}, {largest}, {context})")
+        self.first, self.largest, self.context = first, largest, context
+        self.done = 0
+        self._target = first
+
+    def next(self, available: int, *, finished: bool) -> ChunkWindow | None:
+        """The next window to vocode with ``available`` input frames, or ``None`` to wait for more."""
+        ready = available if finished else available - self.context
+        start = self.done
+        if ready <= start or (not finished and ready - start < self._target):
+            return None
+        end = min(ready, start + self.largest)
+        window = ChunkWindow(
+            lo=max(0, start - self.context), start=start, end=end, hi=min(available, end + self.context)
+        )
+        self.done = end
+        self._target = min(self.largest, self._target * 2)
+        return window
+
+
+def hifigan_context_frames(
+    *,
+    upsample_rates: Iterable[int],
+    upsample_kernel_sizes: Iterable[int],
+    resblock_kernel_sizes: Iterable[int],
+    resblock_dilation_sizes: Iterable[Iterable[int]],
+    pre_kernel: int = 7,
+    post_kernel: int = 7,
+) -> int:
+    """How many mel frames on each side one HiFi-GAN output sample depends on (an upper bound).
+
+    Each layer's reach, in samples at its own rate, is divided by the upsampling done so far: the
+    input convolution, then per level a transposed convolution (``ceil(kernel / stride)`` inputs) and
+    the widest residual block (a dilated and a plain convolution per dilation), then the output
+    convolution. The tiny and the released SpeechT5 HiFi-GAN both reach 24 frames; this gives 26.
+    """
+    reach = (pre_kernel - 1) / 2
+    rate = 1
+    dilations = [list(d) for d in resblock_dilation_sizes]
+    kernels = list(resblock_kernel_sizes)
+    for stride, kernel in zip(upsample_rates, upsample_kernel_sizes, strict=True):
+        reach += math.ceil(kernel / stride) / rate
+        rate *= stride
+        block = max(
+            sum((k - 1) // 2 * d + (k - 1) // 2 for d in dil) for k, dil in zip(kernels, dilations, strict=True)
+        )
+        reach += block / rate
+    reach += (post_kernel - 1) / 2 / rate
+    return math.ceil(reach)
+
+
+class Worker:
+    """One thread running blocking jobs in order; results go back to the event loop thread-safely.
+
+    Model calls are not thread-safe and compete for the same cores, so each engine runs all of its
+    torch work on its one worker, never on the event loop.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread; cancelling the caller drops a job that has not started."""
+        if self._thread is None or self._loop is None:
+            raise RuntimeError(f"worker {self.name} is not running")
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._jobs.put((fn, fut))
+        return await fut
+
+    def pending(self) -> int:
+        return self._jobs.qsize()
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._jobs.put(None)
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def _main(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if fut.cancelled():
+                continue
+            try:
+                result = fn()
+            except BaseException as err:
+                post(loop, set_exception, fut, err)
+            else:
+                post(loop, set_result, fut, result)
+
+
+def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``call_soon_threadsafe`` that tolerates a loop already closed at shutdown (nobody listens then)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def set_result(fut: asyncio.Future[Any], value: Any = None) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def set_exception(fut: asyncio.Future[Any], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

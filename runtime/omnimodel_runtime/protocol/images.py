@@ -1,0 +1,234 @@
+"""Text-to-image on the wire: the OpenAI images API, chat answered with images, and the stage parameters.
+
+``POST /v1/images/generations`` follows OpenAI's images API plus the extensions vLLM-Omni serves
+(``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``seed``). Chat
+completions on an image pipeline answer with the images as ``image_url`` data-URL parts of
+``message.content`` (vLLM-Omni's behaviour). Every field the runtime acts on is validated here, so a bad
+value is a 400 naming the field before any stage sees the request.
+
+:class:`TextToImageParams` is what travels in ``StageRequest.params`` to the encode, denoise and decode
+stages (or the one whole-pipeline stage); stages validate it again, since a stage server may be called
+by something other than our gateway. Torch-free: the gateway imports this module.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Annotated, Any, Final, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from omnimodel_runtime.protocol.openai import ChatMessageParam, OpenAIBaseModel, UsageInfo, random_id
+
+MAX_IMAGES: Final = 10
+MAX_STEPS: Final = 200
+# Largest side accepted; 4096² is 16× the pixels of Qwen-Image's native 1024², beyond which a single
+# request would hold a GPU for minutes.
+MAX_SIDE: Final = 4096
+MAX_GUIDANCE: Final = 20.0
+# Seeds are torch generator seeds; image i of a request uses seed + i, which must stay in range.
+MAX_SEED: Final = 2**63 - 1 - MAX_IMAGES
+
+# Name of the uint8 ``(n, height, width, 3)`` tensor an image pipeline's exit stage sends.
+IMAGES_TENSOR: Final = "images"
+
+_SIZE = re.compile(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*")
+
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Guidance = Annotated[float, Field(ge=0, le=MAX_GUIDANCE)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
+
+
+def parse_size(value: str) -> tuple[int, int]:
+    """``"WIDTHxHEIGHT"`` → ``(width, height)``; raises a pydantic error whose message names the rule."""
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise PydanticCustomError(
+            "image_size", "must look like WIDTHxHEIGHT, e.g. 1024x1024 (got {value})", {"value": repr(value)}
+        )
+    width, height = int(match.group(1)), int(match.group(2))
+    if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
+        raise PydanticCustomError(
+            "image_size",
+            "must be between 1x1 and {max}x{max} pixels (got {value})",
+            {"value": repr(value), "max": MAX_SIDE},
+        )
+    return width, height
+
+
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise PydanticCustomError("empty_prompt", "must not be empty")
+    return value
+
+
+def _check_size(value: str | None) -> str | None:
+    if value is not None and value.strip().lower() != "auto":
+        parse_size(value)
+    return value
+
+
+def _dimensions(size: str | None) -> tuple[int | None, int | None]:
+    """Width and height of a validated ``size``; ``None`` for the pipeline's default (absent or "auto")."""
+    if size is None or size.strip().lower() == "auto":
+        return None, None
+    return parse_size(size)
+
+
+class TextToImageParams(BaseModel):
+    """Parameters of one text-to-image request, as every stage of the pipeline receives them.
+
+    ``None`` means "the pipeline's own default" (its ``__call__`` defaults, e.g. 50 steps for Qwen-Image;
+    its native size). Only the denoise stage uses ``seed``; image ``i`` of the request is generated from
+    ``seed + i``, so one image of an ``n=2`` request repeats as the only image of a request with that seed.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    width: Side | None = None
+    height: Side | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+    negative_prompt: str | None = None
+    seed: Seed | None = None
+
+    @model_validator(mode="after")
+    def _both_sides(self) -> Self:
+        if (self.width is None) != (self.height is None):
+            raise PydanticCustomError("image_size", "width and height must be given together")
+        return self
+
+
+# ---------------------------------------------------------------- POST /v1/images/generations
+
+
+class _ImageFields(OpenAIBaseModel):
+    """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
+
+    negative_prompt: str | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+
+
+class ImageGenerationRequest(_ImageFields):
+    """``POST /v1/images/generations``."""
+
+    prompt: str
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    size: str | None = None
+    # Images are returned inline; there is no file store to serve ``url`` responses from.
+    response_format: Literal["b64_json"] | None = None
+    output_format: Literal["png"] | None = None
+    seed: Seed | None = None
+    user: str | None = None
+
+    _prompt = field_validator("prompt")(_non_blank)
+    _size = field_validator("size")(_check_size)
+
+    def params(self) -> TextToImageParams:
+        width, height = _dimensions(self.size)
+        return TextToImageParams(
+            n=self.n,
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+        )
+
+
+class ImageObject(OpenAIBaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(OpenAIBaseModel):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageObject]
+    output_format: Literal["png"] = "png"
+    size: str | None = None
+
+
+# ---------------------------------------------------------------- chat completions answered with images
+
+
+class ImageChatCompletionRequest(_ImageFields):
+    """``POST /v1/chat/completions`` on a pipeline whose output is images.
+
+    The prompt is the text of the last user message. Size comes as ``size`` (as in the images API) or
+    as ``height`` and ``width`` (vLLM-Omni's chat extensions); ``n`` images up to 10. Text sampling
+    fields (temperature, max_tokens, ...) mean nothing to a diffusion model and are ignored.
+    """
+
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    model: str | None = None
+    stream: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    seed: Seed | None = None
+    modalities: list[Literal["text", "image"]] | None = None
+    size: str | None = None
+    height: Side | None = None
+    # Validated even when absent: the check that width and height come together lives on it.
+    width: Annotated[Side | None, Field(validate_default=True)] = None
+
+    _size = field_validator("size")(_check_size)
+
+    @field_validator("width")
+    @classmethod
+    def _one_size(cls, width: int | None, info: ValidationInfo) -> int | None:
+        height, size = info.data.get("height"), info.data.get("size")
+        if (width is None) != (height is None):
+            raise PydanticCustomError("image_size", "width and height must be given together")
+        if size is not None and width is not None and _dimensions(size) != (width, height):
+            raise PydanticCustomError("image_size", "disagrees with size; send size, or width and height")
+        return width
+
+    def dimensions(self) -> tuple[int | None, int | None]:
+        if self.width is not None:
+            return self.width, self.height
+        return _dimensions(self.size)
+
+
+class ImageURL(OpenAIBaseModel):
+    url: str
+
+
+class ImageContentPart(OpenAIBaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
+class ImageChatMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: list[ImageContentPart]
+
+
+class ImageChatChoice(OpenAIBaseModel):
+    index: int = 0
+    message: ImageChatMessage
+    logprobs: None = None
+    finish_reason: str = "stop"
+
+
+class ImageChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ImageChatChoice]
+    usage: UsageInfo
+
+
+def params_from_mapping(data: Any) -> TextToImageParams:
+    """Validate ``StageRequest.params`` (raises pydantic's ``ValidationError``)."""
+    return TextToImageParams.model_validate(dict(data or {}))

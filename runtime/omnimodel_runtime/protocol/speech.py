@@ -1,0 +1,59 @@
+"""Wire models of ``/v1/audio/speech`` and ``/v1/audio/voices`` (OpenAI's speech API plus the
+extensions vLLM-Omni also accepts: ``stream``, ``seed``).
+
+Every field the server acts on is validated here, so a bad value is a 400 naming the field. Whether a
+*known* format can be encoded (mp3/opus need libsndfile, aac has no encoder here) is decided by the
+serving layer, which names the format in its 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field
+
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel
+
+# OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
+MAX_INPUT_CHARS: Final = 4096
+
+SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
+
+
+class VoiceRef(OpenAIBaseModel):
+    """A voice given as an object (``{"id": "..."}``), as newer OpenAI clients may send it."""
+
+    id: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class SpeechRequest(OpenAIBaseModel):
+    """``POST /v1/audio/speech``."""
+
+    model: str | None = None
+    input: Annotated[str, Field(min_length=1, max_length=MAX_INPUT_CHARS)]
+    voice: Annotated[str, Field(min_length=1, max_length=64)] | VoiceRef = "default"
+    instructions: str | None = None
+    # None: wav for a whole response (vLLM-Omni's default; OpenAI's is mp3), pcm for a stream.
+    response_format: SpeechFormat | None = None
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    # Stream raw 16-bit little-endian mono PCM as it is synthesised (sample rate in X-Sample-Rate).
+    stream: bool = False
+    # OpenAI's switch: "audio" streams raw audio bytes like ``stream``; "sse" is not served.
+    stream_format: Literal["audio", "sse"] | None = None
+    # The acoustic model samples (prenet dropout): the same seed gives the same audio.
+    seed: int | None = None
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice if isinstance(self.voice, str) else self.voice.id
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream or self.stream_format == "audio"
+
+
+class VoiceList(OpenAIBaseModel):
+    """``GET /v1/audio/voices``: the speaker names the model ships, and the one used when none is given."""
+
+    voices: list[str]
+    default: str

@@ -1,0 +1,225 @@
+"""Chat completions with audio output: ``modalities`` containing ``"audio"``.
+
+The request runs as one streaming chain (``Orchestrator.generate_chain``): thinker text deltas go to the
+client as they come, the thinker's rows feed the talker, the talker's codes feed code2wav, and code2wav's
+waveform comes back. Requests without audio never come here (they stay on the single-stage text path and
+never reach the talker or code2wav).
+
+- Non-streamed: the text, plus ``message.audio`` = ``{id, data: base64 WAV (24 kHz mono, 16-bit), expires_at,
+  transcript}``. code2wav runs its whole-sequence path, which equals the whole model's waveform.
+- Streamed: SSE chunks in production order, each naming its ``modality``: text deltas (``delta.content``)
+  and audio chunks (``delta.audio.data``: base64 raw PCM16) interleaved as they are produced, so the first
+  audio arrives while the text is still being written; then the finish chunk, the optional usage chunk and
+  ``[DONE]``. code2wav runs chunked.
+
+Voice: OpenAI's ``audio.voice`` or vLLM-Omni's ``speaker``; the stages map it onto the model's speaker map
+(an unknown voice is a 400 raised before any output).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality, Stage
+from omnimodel_runtime.protocol.openai import (
+    AudioChatCompletionStreamResponse,
+    AudioDelta,
+    AudioDeltaMessage,
+    AudioStreamChoice,
+    ChatCompletionAudio,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+    UsageInfo,
+)
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, TextFrame
+from omnimodel_runtime.serving.audio import to_pcm16, wav_bytes
+from omnimodel_runtime.serving.errors import APIError, error_body
+from omnimodel_runtime.serving.text import DONE, ChatService, sse
+
+log = logging.getLogger(__name__)
+
+# Audio ids cannot be referenced in later turns (nothing is stored); the expiry says so honestly soon.
+AUDIO_TTL_S: Final = 3600
+DEFAULT_SAMPLE_RATE: Final = 24000
+
+
+def wants_audio(req: ChatCompletionRequest) -> bool:
+    return "audio" in (req.modalities or ())
+
+
+def _visible(stage: Stage, frame: ResponseFrame) -> bool:
+    """Whether ``frame`` is something the client sees (text, audio, or the text stage's end)."""
+    if isinstance(frame, TextFrame | FinalFrame):
+        return Modality.TEXT in stage.outputs
+    return isinstance(frame, TensorFrame) and Modality.AUDIO in stage.outputs
+
+
+@dataclass
+class _Answer:
+    """What the chain produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    audio: list[np.ndarray] = field(default_factory=list)
+    sample_rate: int = DEFAULT_SAMPLE_RATE
+    finish_reason: str = "stop"
+    usage: UsageInfo = field(default_factory=UsageInfo)
+
+    def take(self, stage: Stage, frame: ResponseFrame) -> str | np.ndarray | None:
+        """Record ``frame``; return the text delta or audio samples it carries for the client."""
+        if isinstance(frame, TextFrame) and Modality.TEXT in stage.outputs:
+            self.text.append(frame.text)
+            return frame.text
+        if isinstance(frame, TensorFrame) and Modality.AUDIO in stage.outputs and "audio" in frame.tensors:
+            samples = np.asarray(frame.tensors["audio"], dtype=np.float32).reshape(-1)
+            self.sample_rate = int(frame.meta.get("sample_rate", self.sample_rate))
+            self.audio.append(samples)
+            return samples
+        if isinstance(frame, FinalFrame) and Modality.TEXT in stage.outputs:
+            # The text stage's account is the one the client is billed by (text tokens in and out).
+            self.finish_reason = frame.finish_reason
+            u = frame.usage
+            self.usage = UsageInfo(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                total_tokens=u.prompt_tokens + u.completion_tokens,
+            )
+        return None
+
+
+class ChatAudioService:
+    """``/v1/chat/completions`` for requests that ask for audio."""
+
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+
+    @staticmethod
+    def voice(req: ChatCompletionRequest) -> str | None:
+        named = req.audio.voice if req.audio is not None else None
+        if named is not None and req.speaker is not None and named.lower() != req.speaker.lower():
+            raise APIError(
+                f"audio.voice {named!r} and speaker {req.speaker!r} name different voices; send one", param="speaker"
+            )
+        return named if named is not None else req.speaker
+
+    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
+        request_id = secrets.token_hex(16)
+        base = self.chat.stage_request(req, request_id)
+        params = {"modalities": ["text", "audio"], "audio_chunked": req.stream}
+        voice = self.voice(req)
+        if voice is not None:
+            params["voice"] = voice
+        stage_request = base.model_copy(update={"params": params})
+        # The transcript is the thinker's text, so text is produced even when only audio is asked for.
+        chain = self.chat.orchestrator.generate_chain(stage_request, [Modality.TEXT, Modality.AUDIO])
+        response_id, created = f"chatcmpl-{request_id}", int(time.time())
+        audio_id = f"audio_{request_id}"
+        audio_format = req.audio.format if req.audio is not None else "wav"
+        if not req.stream:
+            answer = _Answer()
+            try:
+                async for stage, frame in chain:
+                    answer.take(stage, frame)
+            finally:
+                await chain.aclose()  # type: ignore[attr-defined]
+            waveform = np.concatenate(answer.audio) if answer.audio else np.zeros(0, dtype=np.float32)
+            data = wav_bytes(waveform, answer.sample_rate) if audio_format == "wav" else to_pcm16(waveform)
+            text = "".join(answer.text)
+            audio = ChatCompletionAudio(
+                id=audio_id,
+                data=base64.b64encode(data).decode(),
+                expires_at=created + AUDIO_TTL_S,
+                transcript=text,
+            )
+            return ChatCompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.chat.model_name,
+                choices=[
+                    ChatCompletionResponseChoice(
+                        message=ChatMessage(content=text, audio=audio), finish_reason=answer.finish_reason
+                    )
+                ],
+                usage=answer.usage,
+            )
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await self._stream(chain, response_id, created, audio_id, include_usage)
+
+    async def _stream(
+        self,
+        chain: AsyncIterator[tuple[Stage, ResponseFrame]],
+        response_id: str,
+        created: int,
+        audio_id: str,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        # Wait for the first frame the client would see, so a request refused by a stage (unknown voice,
+        # prompt too long) gets its 4xx status instead of a 200 stream that carries an error. (When the
+        # thinker refuses, its downstream stages may still report an empty end first.)
+        head: list[tuple[Stage, ResponseFrame]] = []
+        while not head or not _visible(*head[-1]):
+            item = await anext(chain, None)
+            if item is None:
+                if not head:
+                    raise StageError("the pipeline returned no output", status=502)
+                break
+            head.append(item)
+
+        def chunk(
+            modality: str, delta: AudioDeltaMessage, finish: str | None = None, usage: UsageInfo | None = None
+        ) -> bytes:
+            choices = [] if usage is not None else [AudioStreamChoice(delta=delta, finish_reason=finish)]
+            return sse(
+                AudioChatCompletionStreamResponse(
+                    id=response_id,
+                    created=created,
+                    model=self.chat.model_name,
+                    modality=modality,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+
+        async def body() -> AsyncIterator[bytes]:
+            answer = _Answer()
+            try:
+                yield chunk("text", AudioDeltaMessage(role="assistant", content=""))
+                item: tuple[Stage, ResponseFrame] | None = head.pop(0)
+                while item is not None:
+                    piece = answer.take(*item)
+                    if isinstance(piece, str) and piece:
+                        yield chunk("text", AudioDeltaMessage(content=piece))
+                    elif isinstance(piece, np.ndarray):
+                        data = base64.b64encode(to_pcm16(piece)).decode()
+                        yield chunk("audio", AudioDeltaMessage(audio=AudioDelta(id=audio_id, data=data)))
+                    item = head.pop(0) if head else await anext(chain, None)
+                text = "".join(answer.text)
+                yield chunk(
+                    "audio",
+                    AudioDeltaMessage(audio=AudioDelta(id=audio_id, expires_at=created + AUDIO_TTL_S, transcript=text)),
+                )
+                yield chunk("text", AudioDeltaMessage(), answer.finish_reason)
+                if include_usage:
+                    yield chunk("text", AudioDeltaMessage(), usage=answer.usage)
+            except StageError as err:
+                yield sse(error_body(err))
+            except Exception as err:
+                log.exception("Streaming an audio response failed")
+                yield sse(error_body(StageError(f"internal error: {err}", status=500)))
+            finally:
+                with contextlib.suppress(Exception):
+                    await chain.aclose()  # type: ignore[attr-defined]
+            yield DONE
+
+        return body()

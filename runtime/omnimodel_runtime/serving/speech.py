@@ -1,0 +1,192 @@
+"""Speech: ``/v1/audio/speech`` request -> stage request -> audio frames -> an audio file or a PCM stream.
+
+The request runs the pipeline's audio chain (acoustic -> vocoder on the ``tts`` preset) as one streaming
+chain: the vocoder starts on the first mel chunk. A stream waits for the first audio before the HTTP
+response starts, so a request that fails early (unknown voice, input too long, a stage down) still gets
+a proper status and error envelope, and the sample rate is known for the ``X-Sample-Rate`` header. A
+failure after the first bytes cannot become an error body in raw PCM: the stream is cut off, which a
+client sees as a truncated chunked response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from omnimodel_runtime.engines.base import StageInput
+from omnimodel_runtime.engines.speech_common import QUERY_VOICES
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality, Stage
+from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame
+from omnimodel_runtime.serving.audio import MEDIA_TYPES, encode_audio, to_pcm16, unsupported_reason
+from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE_HEADER: Final = "x-sample-rate"
+
+
+@dataclass(frozen=True)
+class SpeechAudio:
+    """What the route sends: a whole file (``body``) or a PCM stream (``stream``)."""
+
+    media_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+
+
+async def _aclose(frames: AsyncIterator[object]) -> None:
+    """Close a frame stream now (cancelling the stages behind it) rather than at garbage collection."""
+    aclose = getattr(frames, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _audio(frame: ResponseFrame) -> np.ndarray | None:
+    if isinstance(frame, TensorFrame) and "audio" in frame.tensors:
+        return np.asarray(frame.tensors["audio"], dtype=np.float32).reshape(-1)
+    return None
+
+
+def _sample_rate(frame: ResponseFrame) -> int:
+    assert isinstance(frame, TensorFrame)
+    rate = frame.meta.get("sample_rate")
+    if not isinstance(rate, int) or rate <= 0:
+        raise StageError("the vocoder sent audio without a sample rate", status=502)
+    return rate
+
+
+class SpeechService:
+    """``/v1/audio/speech`` and ``/v1/audio/voices``."""
+
+    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float) -> None:
+        self.orchestrator = orchestrator
+        self.model_name = orchestrator.pipeline.model.name
+        self.request_timeout = request_timeout
+
+    @property
+    def entry(self) -> Stage:
+        """The stage that reads the text (and knows the voices)."""
+        return self.orchestrator.plan([Modality.AUDIO])[0]
+
+    def stage_request(self, req: SpeechRequest, request_id: str) -> tuple[StageRequest, str]:
+        """Validate ``req``; return the stage request and the response format."""
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(
+                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        if not req.input.strip():
+            raise APIError("input must contain text to speak", param="input")
+        if req.instructions:
+            raise APIError("instructions are not supported by this model", param="instructions")
+        if req.stream_format == "sse":
+            raise APIError(
+                'stream_format "sse" is not supported; use stream_format "audio" (or stream: true) for raw PCM',
+                param="stream_format",
+            )
+        if req.streamed:
+            if req.response_format not in (None, "pcm"):
+                raise APIError(
+                    f"a streamed response is raw 16-bit PCM; response_format {req.response_format!r} cannot be "
+                    "streamed (omit it or use pcm)",
+                    param="response_format",
+                )
+            fmt = "pcm"
+        else:
+            fmt = req.response_format or "wav"
+        reason = unsupported_reason(fmt)
+        if reason is not None:
+            raise APIError(reason, param="response_format")
+        request = StageRequest(
+            request_id=request_id,
+            prompt=req.input,
+            sampling=SamplingParams(seed=req.seed),
+            deadline=time.time() + self.request_timeout,
+            stream=req.streamed,
+            params={"voice": req.voice_name, "speed": req.speed},
+        )
+        return request, fmt
+
+    async def create(self, req: SpeechRequest) -> SpeechAudio:
+        """The whole audio file, or (streamed) the PCM body once its first bytes exist."""
+        request, fmt = self.stage_request(req, secrets.token_hex(16))
+        chain = self.orchestrator.generate_chain(request, [Modality.AUDIO])
+        if not req.streamed:
+            try:
+                waveform, rate = await self._collect(chain)
+            finally:
+                await _aclose(chain)
+            try:
+                # Encoding minutes of mp3 takes a while: not on the event loop.
+                encoded = await asyncio.to_thread(encode_audio, waveform, rate, fmt)
+            except ValueError as err:
+                raise APIError(str(err), param="response_format") from err
+            return SpeechAudio(media_type=MEDIA_TYPES[fmt], headers={SAMPLE_RATE_HEADER: str(rate)}, body=encoded)
+
+        try:
+            first, rate = await self._first_audio(chain)
+        except BaseException:
+            await _aclose(chain)
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield to_pcm16(first)
+                async for _, frame in chain:
+                    audio = _audio(frame)
+                    if audio is not None and len(audio):
+                        yield to_pcm16(audio)
+            finally:
+                with contextlib.suppress(Exception):
+                    await _aclose(chain)
+
+        headers = {SAMPLE_RATE_HEADER: str(rate), "x-audio-channels": "1", "x-audio-encoding": "s16le"}
+        return SpeechAudio(media_type=MEDIA_TYPES["pcm"], headers=headers, stream=body())
+
+    async def _first_audio(self, chain: AsyncIterator[tuple[Stage, ResponseFrame]]) -> tuple[np.ndarray, int]:
+        async for _, frame in chain:
+            audio = _audio(frame)
+            if audio is not None:
+                return audio, _sample_rate(frame)
+        raise StageError("the pipeline returned no audio", status=502)
+
+    async def _collect(self, chain: AsyncIterator[tuple[Stage, ResponseFrame]]) -> tuple[np.ndarray, int]:
+        parts: list[np.ndarray] = []
+        rate: int | None = None
+        async for _, frame in chain:
+            audio = _audio(frame)
+            if audio is not None:
+                rate = rate or _sample_rate(frame)
+                parts.append(audio)
+        if rate is None:
+            raise StageError("the pipeline returned no audio", status=502)
+        return np.concatenate(parts), rate
+
+    async def voices(self) -> VoiceList:
+        """Ask the entry stage which voices its model ships."""
+        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params={"query": QUERY_VOICES})
+        frames = self.orchestrator.handles[self.entry.name].generate(StageInput(request=request))
+        try:
+            async for frame in frames:
+                if isinstance(frame, TensorFrame) and "voices" in frame.meta:
+                    names = [str(v) for v in frame.meta["voices"]]
+                    return VoiceList(voices=names, default=str(frame.meta.get("default", "default")))
+                if isinstance(frame, FinalFrame):
+                    break
+        finally:
+            await _aclose(frames)
+        raise APIError(f"stage {self.entry.name!r} does not list voices", status=501, type="not_implemented")

@@ -1,0 +1,156 @@
+"""Qwen2.5-Omni as real processes on loopback, driven by the official ``openai`` client: three
+``omnimodel stage`` processes behind an ``omnimodel gateway`` (every hand-off over HTTP, rows and codes
+streamed while they are produced). Through the processes the answer is still the whole model's answer,
+byte for byte. (``serve``, everything in one process, is test_omni_pipeline.py; the benchmark runs the
+``omnimodel serve`` command itself.)
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from test_omni_pipeline import MODEL, USER, Whole, stage_requests
+
+from omnimodel_runtime.gateway import serve_pipeline
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+STAGES = ("thinker", "talker", "code2wav")
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[dict[str, RuntimeProcess]]:
+    """Thinker, talker and code2wav stage processes and a gateway, all started at once."""
+    from omnimodel_runtime.tiny import ensure_tiny
+
+    ensure_tiny(MODEL, model_cache)  # built once here, not raced for by four processes
+    tmp = tmp_path_factory.mktemp("omni-procs")
+    ports = {name: free_port() for name in (*STAGES, "gateway")}
+    pipeline = serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu")
+    stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{ports[s.name]}",)}) for s in pipeline.stages)
+    path = tmp / "pipeline.json"
+    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
+    # Three torch processes share the cores: one thread each instead of each taking all of them.
+    env = runtime_env(model_cache, OMNIMODEL_DEVICE="cpu", OMP_NUM_THREADS=THREADS)
+    procs = {
+        name: RuntimeProcess(
+            name, ["stage", "--pipeline", str(path), "--stage", name], log_dir=tmp, env=env, port=ports[name]
+        )
+        for name in STAGES
+    }
+    procs["gateway"] = RuntimeProcess(
+        "gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=ports["gateway"]
+    )
+    with running(*procs.values()):
+        for proc in procs.values():
+            proc.wait_healthy(timeout=240)
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def whole(model_cache: Path) -> Whole:
+    from omnimodel_runtime.tiny import ensure_tiny
+
+    return Whole(ensure_tiny(MODEL, model_cache))
+
+
+def client(proc: RuntimeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def decoded_wav(data: str) -> tuple[bytes, int]:
+    raw = base64.b64decode(data)
+    assert raw[:4] == b"RIFF"
+    with wave.open(io.BytesIO(raw)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return raw, w.getnframes()
+
+
+def metrics(proc: RuntimeProcess) -> str:
+    resp = proc.get("/metrics")
+    assert resp is not None
+    return resp.text
+
+
+def test_openai_client_gets_the_whole_models_text_and_wav(deployment: dict[str, RuntimeProcess], whole: Whole) -> None:
+    reply = client(deployment["gateway"]).chat.completions.create(
+        model=MODEL,
+        messages=USER,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "wav"},
+        max_tokens=20,
+        temperature=0,
+        seed=11,
+    )
+    message = reply.choices[0].message
+    assert message.audio is not None
+    raw, frames = decoded_wav(message.audio.data)
+    assert frames > 0
+    text, wav = whole.generate(USER, speaker="Ethan", max_tokens=20, seed=11, threads=THREADS)
+    assert (message.content, message.audio.transcript) == (text, text)
+    assert raw == wav
+
+
+def test_streamed_audio_arrives_before_the_text_ends(deployment: dict[str, RuntimeProcess]) -> None:
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "modalities": ["text", "audio"],
+        "stream": True,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    kinds: list[str] = []
+    with httpx.stream("POST", f"{deployment['gateway'].url}/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                kinds.append("done")
+                continue
+            chunk: dict[str, Any] = json.loads(line[6:])
+            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
+            if delta.get("content"):
+                kinds.append("text")
+            elif (delta.get("audio") or {}).get("data"):
+                assert chunk["modality"] == "audio"
+                kinds.append("audio")
+    assert kinds[-1] == "done"
+    last_text = len(kinds) - 1 - kinds[::-1].index("text")
+    assert kinds.index("audio") < last_text
+
+
+def test_text_only_chat_never_reaches_talker_or_code2wav(deployment: dict[str, RuntimeProcess]) -> None:
+    gateway = deployment["gateway"]
+    before = {name: stage_requests(metrics(deployment[name]), name) for name in STAGES}
+    reply = client(gateway).chat.completions.create(model=MODEL, messages=USER, max_tokens=8)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content
+    assert reply.choices[0].message.audio is None
+    after = {name: stage_requests(metrics(deployment[name]), name) for name in STAGES}
+    assert after == {**before, "thinker": before["thinker"] + 1}
+
+
+def test_a_stage_process_refusing_the_voice_is_a_400_through_the_gateway(
+    deployment: dict[str, RuntimeProcess],
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(deployment["gateway"]).chat.completions.create(
+            model=MODEL,
+            messages=USER,  # type: ignore[arg-type]
+            modalities=["text", "audio"],
+            audio={"voice": "Nobody", "format": "wav"},
+        )
+    assert "Chelsie, Ethan" in str(caught.value)

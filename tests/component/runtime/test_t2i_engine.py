@@ -1,0 +1,336 @@
+"""The diffusers engine on the tiny Qwen-Image pipeline, in process: split equals whole equals diffusers,
+request batching in denoise, and what each stage loads.
+
+Engines start once per module (three split stages and one whole-pipeline stage); the reference is
+diffusers' own ``QwenImagePipeline`` called directly on the same checkpoint with the same seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from prometheus_client import CollectorRegistry
+
+from omnimodel_runtime.engines.base import EngineContext, StageInput
+from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine, from_wire, to_wire
+from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageRequest, TensorFrame
+from omnimodel_runtime.serving.orchestrator import Orchestrator
+from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
+
+STEPS = 3
+# Prompts of different token lengths: batching them pads and masks the shorter ones.
+PROMPTS = ["a red cat", "a blue dog beside a small wooden house under the moon", "sun", "green car on the beach"]
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def observe_batch(self, size: int) -> None:
+        self.batches.append(size)
+
+    def add_generated_tokens(self, count: int) -> None:
+        pass
+
+
+@dataclass
+class Deployed:
+    orchestrator: Orchestrator
+    engines: dict[str, DiffusersImageEngine]
+    metrics: dict[str, RecordingMetrics]
+
+
+def whole_pipeline(model: str) -> Pipeline:
+    """The pipeline as one stage: a custom graph (no preset), as an OmniModel listing its stages gives."""
+    stage = Stage(
+        name="t2i",
+        kind=StageKind.DIFFUSION,
+        engine=EngineName.DIFFUSERS,
+        task="text-to-image",
+        outputs=(Modality.IMAGE,),
+    )
+    return Pipeline(
+        name="t2i-whole",
+        model=ModelSource(source=model),
+        stages=(stage,),
+        modalities=(Modality.IMAGE,),
+        routes=(Route.IMAGES, Route.CHAT),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_t2i(model_cache: Path) -> Path:
+    from omnimodel_runtime.tiny import ensure_tiny
+
+    return ensure_tiny("text-to-image", model_cache)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads() -> Iterator[None]:
+    """Two intra-op threads at most: the box is shared, and tiny models gain nothing from more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
+
+
+async def deploy(pipeline: Pipeline, model_dir: Path, **engine_args: Any) -> Deployed:
+    family = StageMetricsFamily(CollectorRegistry())
+    handles: dict[str, StageHandle] = {}
+    engines: dict[str, DiffusersImageEngine] = {}
+    metrics: dict[str, RecordingMetrics] = {}
+    for declared in pipeline.stages:
+        stage = declared.model_copy(update={"engine_args": engine_args})
+        metrics[stage.name] = RecordingMetrics()
+        context = EngineContext(
+            stage=stage, model_dir=model_dir, settings=RuntimeSettings(device="cpu"), metrics=metrics[stage.name]
+        )
+        engine = create_engine(context)
+        assert isinstance(engine, DiffusersImageEngine)
+        engines[stage.name] = engine
+        handles[stage.name] = LocalStage(stage, engine, family.for_stage(stage.name))
+    await asyncio.gather(*(h.start() for h in handles.values()))
+    return Deployed(Orchestrator(pipeline, handles), engines, metrics)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def split(tiny_t2i: Path) -> AsyncIterator[Deployed]:
+    # A long wait bound: requests of these tests are announced together, and a batch must not start
+    # before the last of them has been encoded on a slow shared CPU.
+    deployed = await deploy(
+        get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")), tiny_t2i, batch_wait=5.0
+    )
+    yield deployed
+    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def whole(tiny_t2i: Path) -> AsyncIterator[Deployed]:
+    deployed = await deploy(whole_pipeline("tiny://x"), tiny_t2i)
+    yield deployed
+    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+
+
+@pytest.fixture(scope="module")
+def diffusers_pipe(tiny_t2i: Path) -> Any:
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_t2i)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def direct(
+    pipe: Any, prompt: str, *, seed: int, n: int = 1, width: int = 32, height: int = 32, **kw: Any
+) -> np.ndarray:
+    """diffusers itself: one call, PIL images out, per-image generators seeded seed + i."""
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    images = pipe(
+        prompt,
+        num_images_per_prompt=n,
+        width=width,
+        height=height,
+        num_inference_steps=STEPS,
+        generator=generators,
+        **kw,
+    ).images
+    return np.stack([np.asarray(image) for image in images])
+
+
+async def generate(deployed: Deployed, prompt: str, **params: Any) -> np.ndarray:
+    request = StageRequest(
+        request_id=f"r{time.monotonic_ns()}",
+        prompt=prompt,
+        params={"num_inference_steps": STEPS, "width": 32, "height": 32, **params},
+    )
+    images = []
+    async for _, frame in deployed.orchestrator.generate_chain(request, [Modality.IMAGE]):
+        if isinstance(frame, TensorFrame):
+            images.append(np.asarray(frame.tensors[IMAGES_TENSOR]))
+    (batch,) = images
+    return batch
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"seed": 11},
+        {"seed": 12, "n": 2, "width": 48, "height": 32, "negative_prompt": "blurry, ugly", "true_cfg_scale": 3.0},
+    ],
+    ids=["plain", "n2-cfg-48x32"],
+)
+async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
+    split: Deployed, whole: Deployed, diffusers_pipe: Any, params: dict[str, Any]
+) -> None:
+    prompt = "a shiny robot holding a sign that says hello world"
+    n = params.get("n", 1)
+    extra = {k: params[k] for k in ("negative_prompt", "true_cfg_scale") if k in params}
+    expected = direct(
+        diffusers_pipe,
+        prompt,
+        seed=params["seed"],
+        n=n,
+        width=params.get("width", 32),
+        height=params.get("height", 32),
+        **extra,
+    )
+    assert expected.shape == (n, params.get("height", 32), params.get("width", 32), 3)
+    assert len(np.unique(expected)) > 50  # a real picture of noise, not a flat field that any bug would match
+    assert np.array_equal(await generate(split, prompt, **params), expected)
+    assert np.array_equal(await generate(whole, prompt, **params), expected)
+
+
+async def test_bfloat16_stages_hand_off_exactly(tiny_t2i: Path) -> None:
+    """bfloat16 (what accelerators run) has no numpy dtype: embeddings and latents cross between stages as
+    raw bits, so the split still gives diffusers' bf16 pixels."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_t2i, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    params = {"seed": 3, "n": 2, "negative_prompt": "low quality", "true_cfg_scale": 2.0}
+    expected = direct(pipe, "a dragon over a city", seed=3, n=2, negative_prompt="low quality", true_cfg_scale=2.0)
+    pipeline = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
+    deployed = await deploy(pipeline, tiny_t2i, dtype="bfloat16")
+    try:
+        assert np.array_equal(await generate(deployed, "a dragon over a city", **params), expected)
+    finally:
+        await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+
+
+async def test_the_seed_decides_the_image_and_the_prompt_changes_it(split: Deployed) -> None:
+    a = await generate(split, "a red cat", seed=5)
+    assert np.array_equal(a, await generate(split, "a red cat", seed=5))
+    assert not np.array_equal(a, await generate(split, "a red cat", seed=6))
+    assert not np.array_equal(a, await generate(split, "a green car", seed=5))
+
+
+async def test_concurrent_compatible_requests_denoise_as_one_batch_with_their_own_results(split: Deployed) -> None:
+    alone = [await generate(split, p, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    metrics = split.metrics["denoise"]
+    metrics.batches.clear()
+    together = await asyncio.gather(*(generate(split, p, seed=100 + i) for i, p in enumerate(PROMPTS)))
+    assert metrics.batches == [len(PROMPTS)]
+    for one, batched in zip(alone, together, strict=True):
+        # Batched GEMMs and padded attention round in a different order (differences ~1e-7 before
+        # quantisation), so a pixel may land one level off; anything else would be another request's
+        # image or another seed's noise.
+        diff = np.abs(one.astype(int) - batched.astype(int))
+        assert diff.max() <= 1
+        assert (diff == 0).mean() > 0.999
+
+
+async def test_requests_of_different_sizes_are_not_batched_together(split: Deployed) -> None:
+    metrics = split.metrics["denoise"]
+    metrics.batches.clear()
+    sizes = [(32, 32), (48, 32), (32, 32), (48, 32)]
+    results = await asyncio.gather(*(generate(split, "a fox", seed=1, width=w, height=h) for w, h in sizes))
+    assert [r.shape[1:3] for r in results] == [(h, w) for w, h in sizes]
+    assert sorted(metrics.batches) == [2, 2]
+
+
+async def test_a_batch_waits_only_a_bounded_time_for_requests_still_on_their_way(tiny_t2i: Path) -> None:
+    stage = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")).stage("denoise")
+    stage = stage.model_copy(update={"engine_args": {"batch_wait": 0.5}})
+    metrics = RecordingMetrics()
+    engine = create_engine(
+        EngineContext(stage=stage, model_dir=tiny_t2i, settings=RuntimeSettings(device="cpu"), metrics=metrics)
+    )
+    await engine.start()
+    try:
+        assert isinstance(engine, DiffusersImageEngine)
+        embeds, dtypes = await asyncio.to_thread(lambda: to_wire({"prompt_embeds": torch.ones((1, 5, 16))}))
+        released = asyncio.Event()
+
+        async def upstream(gate: asyncio.Event | None) -> AsyncIterator[ResponseFrame]:
+            if gate is not None:
+                await gate.wait()
+            yield TensorFrame(embeds, meta={"dtypes": dtypes})
+            yield FinalFrame("stop")
+
+        async def run(gate: asyncio.Event | None) -> list[ResponseFrame]:
+            request = StageRequest(
+                request_id=f"r{time.monotonic_ns()}", params={"width": 32, "height": 32, "num_inference_steps": 2}
+            )
+            return [f async for f in engine.generate(StageInput(request=request, upstream=upstream(gate)))]
+
+        held = asyncio.create_task(run(released))  # announced, but its embeddings never come
+        ready = await asyncio.wait_for(run(None), timeout=60)
+        assert isinstance(ready[-1], FinalFrame)
+        assert not held.done()
+        released.set()
+        late = await asyncio.wait_for(held, timeout=60)
+        assert isinstance(late[-1], FinalFrame)
+        assert metrics.batches == [1, 1]
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_that_goes_away_leaves_the_others_of_its_batch_intact(split: Deployed) -> None:
+    alone = [await generate(split, p, seed=200 + i) for i, p in enumerate(PROMPTS[:3])]
+    tasks = [asyncio.create_task(generate(split, p, seed=200 + i)) for i, p in enumerate(PROMPTS[:3])]
+    denoise = split.engines["denoise"]
+    # Every chain has started (its denoise request is announced or queued) before one of them leaves.
+    deadline = time.monotonic() + 30
+    while denoise.announced + denoise.queue_depth() < 3 and not any(t.done() for t in tasks):
+        assert time.monotonic() < deadline, "the three requests never reached the denoise stage"
+        await asyncio.sleep(0.005)
+    tasks[1].cancel()
+    first, second, third = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(second, asyncio.CancelledError)
+    for one, got in ((alone[0], first), (alone[2], third)):
+        assert isinstance(got, np.ndarray)
+        assert np.abs(one.astype(int) - got.astype(int)).max() <= 1
+    # The engine is still serving.
+    assert np.array_equal(await generate(split, PROMPTS[0], seed=200), alone[0])
+
+
+async def test_each_stage_loads_only_its_components(split: Deployed, whole: Deployed) -> None:
+    assert split.engines["encode"].components == ("text_encoder", "tokenizer")
+    assert split.engines["denoise"].components == ("scheduler", "transformer")
+    assert split.engines["decode"].components == ("vae",)
+    assert whole.engines["t2i"].components == ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"width": 30, "height": 30}, "size"),
+        ({"width": 32, "height": None}, "params"),
+        ({"n": 0}, "n"),
+        ({"seed": -5}, "seed"),
+    ],
+)
+async def test_a_stage_refuses_bad_parameters_with_a_400(split: Deployed, params: dict[str, Any], param: str) -> None:
+    with pytest.raises(StageError) as err:
+        await generate(split, "a cat", **params)
+    assert err.value.status == 400
+    assert err.value.param == param
+
+
+async def test_bfloat16_crosses_the_wire_bit_for_bit() -> None:
+    tensors = {"a": torch.randn(2, 3, 5).to(torch.bfloat16), "b": torch.arange(4, dtype=torch.int64)}
+    arrays, dtypes = to_wire(tensors)
+    assert dtypes == {"a": "bfloat16"}
+    assert arrays["a"].dtype == np.int16
+    back = from_wire({k: v.copy() for k, v in arrays.items()}, dtypes, "cpu")
+    assert back["a"].dtype == torch.bfloat16
+    assert torch.equal(back["a"], tensors["a"])
+    assert torch.equal(back["b"], tensors["b"])

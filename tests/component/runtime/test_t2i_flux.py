@@ -1,0 +1,162 @@
+"""The diffusers engine is generic over pipelines with the same hooks: ``FluxPipeline`` (CLIP + T5 text
+encoders, pooled embeddings, no masks, scaled/shifted 2-D VAE) split into encode → denoise → decode gives
+diffusers' own pixels, as Qwen-Image does.
+
+The tiny FLUX is built here with the real classes at diffusers' test sizes; its two tokenizers are
+byte-level BPEs trained locally (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine
+from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.pipeline import Modality, ModelSource, get_preset
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR
+from omnimodel_runtime.protocol.stage import StageRequest, TensorFrame
+from omnimodel_runtime.serving.orchestrator import Orchestrator
+from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPT = "a painting of a squirrel eating a burger"
+
+
+def _tokenizer(max_length: int) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([PROMPT, "bad quality, blurry", "a red fox"] * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", model_max_length=max_length
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip_tok, t5_tok = _tokenizer(77), _tokenizer(512)
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    torch.manual_seed(0)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=32,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            projection_dim=32,
+            pad_token_id=clip_tok.pad_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            bos_token_id=clip_tok.pad_token_id,
+        )
+    )
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0
+        )
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=clip,
+        text_encoder_2=t5,
+        tokenizer=clip_tok,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+        vae=vae,
+    )
+    out = tmp_path_factory.mktemp("tiny-flux")
+    pipe.save_pretrained(out)
+    return out
+
+
+async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> None:
+    from diffusers import FluxPipeline
+
+    pipeline = get_preset("text-to-image").pipeline(ModelSource(source=f"file://{tiny_flux}"))
+    family = StageMetricsFamily(CollectorRegistry())
+    handles: dict[str, StageHandle] = {}
+    engines: dict[str, DiffusersImageEngine] = {}
+    for stage in pipeline.stages:
+        engine = create_engine(EngineContext(stage=stage, model_dir=tiny_flux, settings=RuntimeSettings(device="cpu")))
+        assert isinstance(engine, DiffusersImageEngine)
+        engines[stage.name] = engine
+        handles[stage.name] = LocalStage(stage, engine, family.for_stage(stage.name))
+    await asyncio.gather(*(h.start() for h in handles.values()))
+    try:
+        assert engines["encode"].components == ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+        assert engines["denoise"].components == ("scheduler", "transformer")
+        assert engines["decode"].components == ("vae",)
+        params = {"n": 2, "width": 16, "height": 24, "num_inference_steps": 3, "seed": 9}
+        params |= {"negative_prompt": "bad quality", "true_cfg_scale": 2.0}
+        request = StageRequest(request_id=f"r{time.monotonic_ns()}", prompt=PROMPT, params=params)
+        frames = [f async for _, f in Orchestrator(pipeline, handles).generate_chain(request, [Modality.IMAGE])]
+        (served,) = [np.asarray(f.tensors[IMAGES_TENSOR]) for f in frames if isinstance(f, TensorFrame)]
+    finally:
+        await asyncio.gather(*(h.stop() for h in handles.values()))
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(
+        PROMPT,
+        negative_prompt="bad quality",
+        true_cfg_scale=2.0,
+        num_images_per_prompt=2,
+        width=16,
+        height=24,
+        num_inference_steps=3,
+        generator=[torch.Generator().manual_seed(9), torch.Generator().manual_seed(10)],
+    ).images
+    assert served.shape == (2, 24, 16, 3)
+    assert len(np.unique(served)) > 20
+    for got, want in zip(served, expected, strict=True):
+        assert np.array_equal(got, np.asarray(want))

@@ -1,0 +1,162 @@
+"""``/v1/audio/speech`` on real processes: ``omnimodel serve --preset tts --model tiny://tts``, and the
+two stages as separate ``omnimodel stage`` processes behind ``omnimodel gateway``, driven by the official
+``openai`` client (the issue's acceptance)."""
+
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from runtime_procs import RuntimeProcess, free_port, metric_value, running, runtime_env
+
+from omnimodel_runtime.gateway import serve_pipeline
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+# 4 mel frames per token on the tiny model: long enough that decoding is still going on (well over a
+# second) when the first audio bytes arrive.
+LONG = "A long sentence for the tiny speech model to say, again and again. " * 4
+
+
+def _env(model_cache: Path) -> dict[str, str]:
+    # One intra-op thread per process: several processes share two cores here.
+    return runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=0.5, OMP_NUM_THREADS=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tts(model_cache: Path) -> Path:
+    from omnimodel_runtime.tiny import ensure_tiny
+
+    return ensure_tiny("tts", model_cache)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_tts: Path) -> Iterator[RuntimeProcess]:
+    tmp = tmp_path_factory.mktemp("tts-serve")
+    proc = RuntimeProcess(
+        "serve",
+        ["serve", "--preset", "tts", "--model", "tiny://tts"],
+        log_dir=tmp,
+        env=_env(model_cache),
+        port=free_port(),
+    )
+    with running(proc):
+        yield proc.wait_healthy()
+
+
+@pytest.fixture(scope="module")
+def split(
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_tts: Path
+) -> Iterator[tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess]]:
+    """acoustic and vocoder as separate stage processes, and a gateway, from one pipeline file."""
+    tmp = tmp_path_factory.mktemp("tts-split")
+    ports = {"acoustic": free_port(), "vocoder": free_port()}
+    pipeline = serve_pipeline("tts", "tiny://tts", device="cpu")
+    stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{ports[s.name]}",)}) for s in pipeline.stages)
+    path = tmp / "pipeline.json"
+    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
+    env = _env(model_cache)
+    procs = [
+        RuntimeProcess(name, ["stage", "--pipeline", str(path), "--stage", name], log_dir=tmp, env=env, port=port)
+        for name, port in ports.items()
+    ]
+    gateway = RuntimeProcess("gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=free_port())
+    with running(*procs, gateway):
+        for proc in (*procs, gateway):
+            proc.wait_healthy()
+        yield procs[0], procs[1], gateway
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _wav(body: bytes) -> tuple[int, np.ndarray]:
+    with wave.open(io.BytesIO(body)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth()) == (1, 2)
+        return wav.getframerate(), np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
+
+
+def _streamed(client: openai.OpenAI, text: str) -> tuple[int, list[bytes]]:
+    with client.audio.speech.with_streaming_response.create(
+        model="tts", voice="alto", input=text, response_format="pcm", extra_body={"stream": True}
+    ) as resp:
+        rate = int(resp.headers["x-sample-rate"])
+        return rate, list(resp.iter_bytes())
+
+
+def test_openai_client_gets_audio_and_its_stream_equals_the_whole_response(serve: RuntimeProcess) -> None:
+    client = _client(serve.url)
+    whole = client.audio.speech.create(model="tts", voice="alto", input=TEXT)
+    rate, samples = _wav(whole.content)
+    assert rate == 16000
+    # The tiny model speaks 4 mel frames (of 256 samples) per token, the text is ~46 tokens.
+    assert 40 * 4 * 256 <= len(samples) <= 50 * 4 * 256
+    assert np.abs(samples).mean() > 300  # audible, not silence
+
+    stream_rate, chunks = _streamed(client, TEXT)
+    assert stream_rate == rate
+    streamed = np.frombuffer(b"".join(chunks), "<i2")
+    assert streamed.shape == samples.shape
+    # Stated tolerance: chunked vocoding rounds differently from one whole pass; at most 1 LSB.
+    assert np.abs(streamed.astype(int) - samples.astype(int)).max() <= 1
+
+
+def test_first_audio_leaves_while_the_acoustic_stage_is_still_decoding(serve: RuntimeProcess) -> None:
+    body = {"model": "tts", "voice": "default", "input": LONG, "stream": True}
+    with httpx.stream("POST", f"{serve.url}/v1/audio/speech", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_raw()
+        first = next(chunks)
+        metrics = serve.get("/metrics")
+        assert metrics is not None
+        in_flight = metric_value(metrics.text, "omnimodel_requests_in_flight", {"stage": "acoustic"})
+        rest = b"".join(chunks)
+    assert 0 < len(first) < len(rest)
+    assert in_flight == 1, "the first audio bytes should arrive before the acoustic stage has finished"
+
+
+def test_separate_stage_processes_give_the_same_audio_as_in_process(
+    serve: RuntimeProcess, split: tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess]
+) -> None:
+    acoustic, vocoder, gateway = split
+    local, remote = _client(serve.url), _client(gateway.url)
+    assert remote.audio.speech.create(model="tts", voice="bass", input=TEXT, speed=1.25).content == (
+        local.audio.speech.create(model="tts", voice="bass", input=TEXT, speed=1.25).content
+    )
+    assert b"".join(_streamed(remote, TEXT)[1]) == b"".join(_streamed(local, TEXT)[1])
+    assert httpx.get(f"{gateway.url}/v1/audio/voices").json() == {
+        "voices": ["alto", "bass", "default"],
+        "default": "default",
+    }
+    for stage in (acoustic, vocoder):
+        metrics = stage.get("/metrics")
+        assert metrics is not None
+        assert (metric_value(metrics.text, "omnimodel_stage_requests_total", {"outcome": "ok"}) or 0) >= 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "hello", "voice": "nobody"}, "voice"),
+        ({"input": "x" * 700}, "input"),
+        ({"input": "hello", "response_format": "aac"}, "response_format"),
+        ({"input": "hello", "speed": 10}, "speed"),
+        ({"input": ""}, "input"),
+    ],
+)
+def test_bad_input_through_separate_processes_is_a_4xx(
+    split: tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess], body: dict[str, object], param: str
+) -> None:
+    gateway = split[2]
+    for stream in (False, True):
+        resp = httpx.post(f"{gateway.url}/v1/audio/speech", json={**body, "stream": stream}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param

@@ -1,0 +1,260 @@
+"""Chat with audio output on the omni preset, against fake stage engines shaped like the real ones:
+what the client gets (WAV in ``message.audio``, SSE chunks naming their modality), what the stages are
+asked (voice, chunking), and how bad input and failures look. The real engines: tests/component."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+from runtime_fakes import asgi_client, fake_context, lifespan, omni_pipeline, openai_client, sse_events
+from test_runtime_chain import serve_on_loopback
+
+from omnimodel_runtime.api import build_app
+from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, TextFrame, Usage
+from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+
+USER = [{"role": "user", "content": "Say something."}]
+WORDS = 6
+RATE = 24000
+VOICES = ("Chelsie", "Ethan")
+
+
+class Thinker(Engine):
+    """WORDS text deltas, each followed by a row; for the streaming test it holds back its last word
+    until audio has reached the client (``go``)."""
+
+    async def start(self) -> None:
+        self.go = asyncio.Event()
+        self.go.set()
+        self.requests: list[StageInput] = []
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        self.requests.append(inp)
+        voice = inp.request.params.get("voice")
+        if voice is not None and voice not in VOICES:
+            raise StageError(f"unknown voice {voice!r}", status=400, param="audio.voice")
+        for i in range(WORDS):
+            if i == WORDS - 1:
+                await self.go.wait()
+            yield TextFrame(text=f" w{i}", token_ids=(i,))
+            yield TensorFrame({"rows": np.full((1, 4), i, dtype=np.float32)}, meta={"kind": "omni.thinker.reply"})
+        yield FinalFrame("stop", Usage(prompt_tokens=3, completion_tokens=WORDS))
+
+
+class Talker(Engine):
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        assert inp.upstream is not None
+        async for frame in inp.upstream:
+            if isinstance(frame, TensorFrame):
+                yield TensorFrame({"codes": np.array([int(frame.tensors["rows"][0, 0])])}, meta={"kind": "codes"})
+        yield FinalFrame("stop", Usage(completion_tokens=WORDS))
+
+
+class Code2Wav(Engine):
+    """One audio chunk per code: a 10 ms constant tone at amplitude (code + 1) / 10; FAIL_AUDIO in the
+    prompt makes it fail after its first chunk."""
+
+    async def start(self) -> None:
+        self.requests: list[StageInput] = []
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        self.requests.append(inp)
+        assert inp.upstream is not None
+        fail = "FAIL_AUDIO" in str(inp.request.messages)
+        async for frame in inp.upstream:
+            if isinstance(frame, TensorFrame):
+                code = int(frame.tensors["codes"][0])
+                yield TensorFrame(
+                    {"audio": np.full(RATE // 100, (code + 1) / 10, dtype=np.float32)},
+                    meta={"modality": "audio", "sample_rate": RATE},
+                )
+                if fail:
+                    raise StageError("vocoder exploded", status=500)
+        yield FinalFrame("stop")
+
+
+class OmniServe:
+    def __init__(self) -> None:
+        self.pipeline = omni_pipeline()
+        registry = CollectorRegistry()
+        family = StageMetricsFamily(registry)
+        thinker, talker, code2wav = self.pipeline.stages
+        self.thinker = Thinker(fake_context(thinker))
+        self.code2wav = Code2Wav(fake_context(code2wav))
+        engines = {"thinker": self.thinker, "talker": Talker(fake_context(talker)), "code2wav": self.code2wav}
+        handles: dict[str, StageHandle] = {
+            s.name: LocalStage(s, engines[s.name], family.for_stage(s.name)) for s in self.pipeline.stages
+        }
+        self.app = build_app(RuntimeSettings(), self.pipeline, handles, registry=registry)
+
+
+@pytest.fixture
+async def omni() -> AsyncIterator[OmniServe]:
+    serve = OmniServe()
+    async with lifespan(serve.app):
+        yield serve
+
+
+@pytest.fixture
+async def http(omni: OmniServe) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(omni.app) as client:
+        yield client
+
+
+def expected_waveform() -> np.ndarray:
+    return np.concatenate([np.full(RATE // 100, (i + 1) / 10, dtype=np.float32) for i in range(WORDS)])
+
+
+async def test_openai_client_gets_text_and_a_wav_that_decodes(omni: OmniServe, http: httpx.AsyncClient) -> None:
+    client = openai_client(http)
+    reply = await client.chat.completions.create(
+        model="qwen2.5-omni", messages=USER, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}
+    )
+    message = reply.choices[0].message
+    assert message.content == "".join(f" w{i}" for i in range(WORDS))
+    assert message.audio is not None
+    assert message.audio.transcript == message.content
+    assert message.audio.expires_at > reply.created
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (RATE, 1, 2)
+        samples = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
+    np.testing.assert_array_equal(samples, np.round(expected_waveform() * 32767).astype("<i2"))
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (3, WORDS)
+    # The stages were asked for audio in Ethan's voice, computed whole (not chunked) for a whole answer.
+    params = omni.code2wav.requests[0].request.params
+    assert (params["voice"], params["audio_chunked"]) == ("Ethan", False)
+
+
+async def test_pcm16_format_returns_raw_samples(http: httpx.AsyncClient) -> None:
+    reply = await openai_client(http).chat.completions.create(
+        model="qwen2.5-omni", messages=USER, modalities=["audio"], audio={"voice": "Chelsie", "format": "pcm16"}
+    )
+    assert reply.choices[0].message.audio is not None
+    raw = base64.b64decode(reply.choices[0].message.audio.data)
+    np.testing.assert_array_equal(np.frombuffer(raw, "<i2"), np.round(expected_waveform() * 32767).astype("<i2"))
+
+
+async def test_vllm_omni_speaker_names_the_voice(omni: OmniServe, http: httpx.AsyncClient) -> None:
+    body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], "speaker": "Ethan"}
+    assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+    assert omni.thinker.requests[-1].request.params["voice"] == "Ethan"
+    # Naming two different voices is a mistake the client should hear about.
+    body["audio"] = {"voice": "Chelsie"}
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "speaker"
+
+
+async def test_stream_names_each_chunk_and_audio_arrives_before_the_text_ends() -> None:
+    # A real server on loopback: httpx's ASGI transport buffers whole responses, which would deadlock
+    # on a thinker that waits for audio to reach the client.
+    omni = OmniServe()
+    async with AsyncExitStack() as stack:
+        url = await serve_on_loopback(omni.app, stack)
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+        await stream_and_check(omni, http)
+
+
+async def stream_and_check(omni: OmniServe, http: httpx.AsyncClient) -> None:
+    omni.thinker.go.clear()
+    body = {
+        "model": "qwen2.5-omni",
+        "messages": USER,
+        "modalities": ["text", "audio"],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events: list[str] = []
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                chunk = json.loads(events[-1]) if events[-1] != "[DONE]" else {}
+                if chunk.get("modality") == "audio":
+                    # Only now may the thinker write its last word: audio must come first.
+                    omni.thinker.go.set()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["modality"] in ("text", "audio") for c in chunks)
+    text_at = [i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content")]
+    audio_at = [
+        i for i, c in enumerate(chunks) if c["choices"] and (c["choices"][0]["delta"].get("audio") or {}).get("data")
+    ]
+    assert all(chunks[i]["modality"] == "audio" for i in audio_at)
+    assert audio_at[0] < text_at[-1]
+    pcm = b"".join(base64.b64decode(chunks[i]["choices"][0]["delta"]["audio"]["data"]) for i in audio_at)
+    np.testing.assert_array_equal(np.frombuffer(pcm, "<i2"), np.round(expected_waveform() * 32767).astype("<i2"))
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finish] == ["stop"]
+    assert chunks[-1]["usage"]["completion_tokens"] == WORDS
+    # Streams are chunked on code2wav, so its first audio does not wait for the last code.
+    assert omni.code2wav.requests[-1].request.params["audio_chunked"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"modalities": ["text", "audio"], "audio": {"voice": "Nobody"}}, "audio.voice"),
+        ({"modalities": ["text", "video"]}, "modalities.1"),
+        ({"modalities": ["text", "audio"], "audio": {"format": "mp3"}}, "audio.format"),
+        ({"modalities": ["text", "audio"], "messages": []}, "messages"),
+    ],
+)
+async def test_bad_input_is_a_400_envelope(http: httpx.AsyncClient, body: dict[str, object], param: str) -> None:
+    for stream in (False, True):
+        resp = await http.post(
+            "/v1/chat/completions", json={"model": "qwen2.5-omni", "messages": USER, "stream": stream, **body}
+        )
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param)
+
+
+async def test_a_stage_failing_mid_stream_ends_with_an_error_chunk_and_done(http: httpx.AsyncClient) -> None:
+    body = {
+        "model": "qwen2.5-omni",
+        "messages": [{"role": "user", "content": "FAIL_AUDIO"}],
+        "modalities": ["text", "audio"],
+        "stream": True,
+    }
+    resp = await http.post("/v1/chat/completions", json=body)
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "vocoder exploded"
+
+
+async def test_non_streamed_failure_is_an_error_envelope(http: httpx.AsyncClient) -> None:
+    client = openai_client(http)
+    with pytest.raises(openai.InternalServerError, match="vocoder exploded"):
+        await client.chat.completions.create(
+            model="qwen2.5-omni", messages=[{"role": "user", "content": "FAIL_AUDIO"}], modalities=["text", "audio"]
+        )

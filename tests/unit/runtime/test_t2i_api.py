@@ -1,0 +1,281 @@
+"""``/v1/images/generations`` and image chat on the text-to-image preset, against fake stage engines.
+
+The fakes have the real preset's shape (encode → denoise → decode, tensors handed along the chain) and
+paint each image a colour derived from its seed, so the tests see what a client sees: PNGs of the
+requested size, one per requested image, the same pixels for the same seed, and a 400 naming the field
+for bad input before any stage does work.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from prometheus_client import CollectorRegistry
+from runtime_fakes import FakeServe, asgi_client, fake_context, lifespan, openai_client
+
+from omnimodel_runtime.api import build_app
+from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.pipeline import ModelSource, Pipeline, get_preset
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.serving.images import encode_png
+from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+
+MODEL = "text-to-image"
+
+
+class FakeImageStage(Engine):
+    """encode: one embedding row per prompt character; denoise: one latent per image, its seed;
+    decode: each image filled with ``seed % 251`` in red, its index in green."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[StageInput] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        self.requests.append(inp)
+        params = inp.request.params
+        task = self.stage.task
+        if task == "t2i-encode":
+            prompt = inp.request.prompt or ""
+            yield TensorFrame({"prompt_embeds": np.ones((1, len(prompt), 4), dtype=np.float32)})
+            yield FinalFrame("stop", Usage(prompt_tokens=len(prompt)))
+            return
+        assert inp.upstream is not None
+        upstream = [f async for f in inp.upstream]
+        assert isinstance(upstream[-1], FinalFrame)
+        if task == "t2i-denoise":
+            if params.get("width") == 24:
+                raise StageError("size must be a multiple of 16", status=400, param="size")
+            n, seed = int(params.get("n", 1)), int(params.get("seed", 0))
+            yield TensorFrame({"latents": np.arange(seed, seed + n, dtype=np.int64)})
+        else:
+            latents = next(f for f in upstream if isinstance(f, TensorFrame)).tensors["latents"]
+            height, width = int(params.get("height", 64)), int(params.get("width", 64))
+            images = np.zeros((len(latents), height, width, 3), dtype=np.uint8)
+            for i, seed in enumerate(latents):
+                images[i, ..., 0] = int(seed) % 251
+                images[i, ..., 1] = i
+            yield TensorFrame({IMAGES_TENSOR: images}, meta={"modality": "image"})
+        yield FinalFrame("stop")
+
+
+class ImageServe:
+    def __init__(self) -> None:
+        self.pipeline: Pipeline = get_preset(MODEL).pipeline(ModelSource(source=f"tiny://{MODEL}"))
+        family = StageMetricsFamily(registry := CollectorRegistry())
+        self.engines: dict[str, FakeImageStage] = {}
+        handles: dict[str, StageHandle] = {}
+        for stage in self.pipeline.stages:
+            metrics = family.for_stage(stage.name)
+            self.engines[stage.name] = FakeImageStage(fake_context(stage, metrics))
+            handles[stage.name] = LocalStage(stage, self.engines[stage.name], metrics)
+        self.app = build_app(RuntimeSettings(), self.pipeline, handles, registry=registry)
+
+    def requests(self) -> int:
+        return sum(len(e.requests) for e in self.engines.values())
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[ImageServe]:
+    s = ImageServe()
+    async with lifespan(s.app):
+        yield s
+
+
+@pytest.fixture
+async def http(serve: ImageServe) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(serve.app) as client:
+        yield client
+
+
+@pytest.fixture
+def client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    return openai_client(http)
+
+
+def _png(b64: str) -> Image.Image:
+    raw = base64.b64decode(b64)
+    assert raw.startswith(b"\x89PNG\r\n\x1a\n")
+    return Image.open(io.BytesIO(raw))
+
+
+async def test_openai_client_gets_one_png_per_image_of_the_requested_size(
+    client: openai.AsyncOpenAI, serve: ImageServe
+) -> None:
+    result = await client.images.generate(
+        model=MODEL,
+        prompt="a red cat",
+        n=2,
+        size="48x32",  # type: ignore[arg-type]  (any WxH the model supports, not only OpenAI's sizes)
+        response_format="b64_json",
+        extra_body={"seed": 40, "num_inference_steps": 3, "negative_prompt": "blurry", "true_cfg_scale": 2.5},
+    )
+    assert result.data is not None
+    images = [_png(d.b64_json or "") for d in result.data]
+    assert [im.size for im in images] == [(48, 32), (48, 32)]
+    pixels = [np.asarray(im) for im in images]
+    assert [int(p[0, 0, 0]) for p in pixels] == [40, 41]  # image i is drawn from seed + i
+    assert [int(p[0, 0, 1]) for p in pixels] == [0, 1]
+    # Every stage got the prompt and the parameters, and nothing it was not sent.
+    for engine in serve.engines.values():
+        (inp,) = engine.requests
+        assert inp.request.prompt == "a red cat"
+        assert dict(inp.request.params) == {
+            "n": 2,
+            "width": 48,
+            "height": 32,
+            "num_inference_steps": 3,
+            "true_cfg_scale": 2.5,
+            "negative_prompt": "blurry",
+            "seed": 40,
+        }
+
+
+async def test_a_fixed_seed_repeats_and_another_seed_differs(client: openai.AsyncOpenAI) -> None:
+    async def first_pixel(seed: int) -> int:
+        result = await client.images.generate(model=MODEL, prompt="x", size="16x16", extra_body={"seed": seed})  # type: ignore[arg-type]
+        assert result.data is not None
+        return int(np.asarray(_png(result.data[0].b64_json or ""))[0, 0, 0])
+
+    assert await first_pixel(7) == await first_pixel(7) == 7
+    assert await first_pixel(8) == 8
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"size": "1024x"}, "size"),
+        ({"size": "0x0"}, "size"),
+        ({"size": "big"}, "size"),
+        ({"size": "8192x8192"}, "size"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"num_inference_steps": 201}, "num_inference_steps"),
+        ({"n": 0}, "n"),
+        ({"n": 11}, "n"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "   "}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"guidance_scale": -1}, "guidance_scale"),
+        ({"true_cfg_scale": 21}, "true_cfg_scale"),
+        ({"seed": -1}, "seed"),
+        ({"response_format": "url"}, "response_format"),
+        ({"output_format": "jpeg"}, "output_format"),
+    ],
+)
+async def test_bad_input_is_a_400_naming_the_field_and_no_stage_runs(
+    http: httpx.AsyncClient, serve: ImageServe, body: dict[str, Any], param: str
+) -> None:
+    resp = await http.post("/v1/images/generations", json={"prompt": "a cat", **body})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: ")
+    assert serve.requests() == 0
+
+
+async def test_a_stage_refusing_the_request_is_a_400_naming_the_field(http: httpx.AsyncClient) -> None:
+    resp = await http.post("/v1/images/generations", json={"prompt": "a cat", "size": "24x24"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "size"
+    assert "multiple of 16" in resp.json()["error"]["message"]
+
+
+async def test_another_model_name_is_a_404(http: httpx.AsyncClient) -> None:
+    resp = await http.post("/v1/images/generations", json={"prompt": "a cat", "model": "dall-e-3"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "model_not_found"
+
+
+async def test_chat_answers_with_image_url_data_urls(client: openai.AsyncOpenAI, serve: ImageServe) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You draw."},
+            {"role": "user", "content": "an old photo"},
+            {"role": "assistant", "content": "Here."},
+            {"role": "user", "content": [{"type": "text", "text": "a green"}, {"type": "text", "text": "fox"}]},
+        ],
+        n=2,
+        seed=3,
+        extra_body={"size": "16x24", "num_inference_steps": 2},
+    )
+    content: Any = reply.choices[0].message.content
+    assert isinstance(content, list)
+    assert len(content) == 2
+    for i, part in enumerate(content):
+        assert part["type"] == "image_url"
+        prefix, b64 = part["image_url"]["url"].split(",", 1)
+        assert prefix == "data:image/png;base64"
+        image = np.asarray(_png(b64))
+        assert image.shape == (24, 16, 3)
+        assert int(image[0, 0, 0]) == 3 + i
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len("a green fox")
+    assert serve.engines["encode"].requests[0].request.prompt == "a green fox"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"modalities": ["text"]}, "modalities"),
+        ({"height": 32}, "width"),
+        ({"size": "32x32", "width": 16, "height": 16}, "width"),
+        ({"size": "32"}, "size"),
+        ({"n": 11}, "n"),
+        ({"messages": [{"role": "user", "content": " "}]}, "messages"),
+    ],
+)
+async def test_chat_refuses_what_an_image_answer_cannot_do(
+    http: httpx.AsyncClient, serve: ImageServe, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "a cat"}], **extra}
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert serve.requests() == 0
+
+
+async def test_the_images_route_exists_only_where_the_pipeline_serves_images() -> None:
+    text = FakeServe()
+    async with lifespan(text.app), asgi_client(text.app) as http:
+        resp = await http.post("/v1/images/generations", json={"prompt": "a cat"})
+        assert resp.status_code == 404
+        # Chat on a text pipeline is still text chat.
+        chat = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200
+        assert isinstance(chat.json()["choices"][0]["message"]["content"], str)
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 3), (4, 6, 4), (3, 2), (1, 9, 1)])
+def test_png_encoding_round_trips_through_pillow(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    decoded = np.asarray(Image.open(io.BytesIO(encode_png(pixels))))
+    assert np.array_equal(decoded, pixels.reshape(decoded.shape))
+
+
+def test_png_encoding_refuses_what_png_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        encode_png(np.zeros((2, 2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        encode_png(np.zeros((2, 2, 2), dtype=np.uint8))
