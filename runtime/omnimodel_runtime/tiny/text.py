@@ -71,26 +71,48 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (every byte encodable) with Qwen's special tokens and chat template."""
+def byte_level_bpe(
+    corpus: list[str],
+    *,
+    vocab_size: int,
+    special_tokens: tuple[str, ...],
+    eos_token: str,
+    pad_token: str,
+    model_max_length: int,
+    padding_side: str,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``corpus`` (every byte encodable), as Qwen's are built."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        unk_token=None,
+        model_max_length=model_max_length,
+        padding_side=padding_side,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
+    """Qwen's special tokens and chat template on a locally trained byte-level BPE."""
+    wrapped = byte_level_bpe(
+        _corpus(seed),
+        vocab_size=VOCAB_SIZE,
+        special_tokens=tuple(SPECIAL_TOKENS),
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        unk_token=None,
         model_max_length=4096,
         padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped

@@ -31,9 +31,10 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 from diffusers.utils import logging as diffusers_logging
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.utils import logging as hf_logging
+
+from omnimodel_runtime.tiny.text import byte_level_bpe
 
 ENDOFTEXT: Final = "<|endoftext|>"
 IM_START: Final = "<|im_start|>"
@@ -163,24 +164,14 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
 
 def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE (every byte encodable) with Qwen's special tokens; right padding as Qwen2's."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    wrapped = byte_level_bpe(
+        _corpus(seed),
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        special_tokens=tuple(SPECIAL_TOKENS),
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        unk_token=None,
         model_max_length=32768,
         padding_side="right",
-        clean_up_tokenization_spaces=False,
     )
     prefix = TEMPLATE.split("{}", 1)[0]
     count = len(wrapped(prefix).input_ids)
