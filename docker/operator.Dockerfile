@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 #
 # The operator image: ghcr.io/omnimodel/omnimodel-operator:<version> (the chart's image.repository).
-# Only the `operator` extra: kopf, the Kubernetes client, pydantic-settings. No torch, no FastAPI, no
-# engines (import-linter keeps omnimodel_operator off them; tests/unit/chart checks this file).
+# Only the `operator` extra: kopf, the Kubernetes client, pydantic-settings, prometheus-client. No torch,
+# no FastAPI, no engines (import-linter keeps omnimodel_operator off them; tests/unit/chart checks this file).
 #
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/omnimodel/omnimodel-operator:0.1.0 .
 #
@@ -40,8 +40,8 @@ ENV PATH=/opt/omnimodel/bin:$PATH \
     XDG_CACHE_HOME=/tmp/.cache
 USER 1000:1000
 WORKDIR /tmp
-# kopf's liveness endpoint (the chart's probes use it too).
-EXPOSE 8080
+# kopf's liveness endpoint (the chart's probes use it too), and Prometheus /metrics (OMNIMODEL_METRICS_PORT).
+EXPOSE 8080 8081
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
 ENTRYPOINT ["omnimodel-operator", "run"]

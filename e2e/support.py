@@ -38,16 +38,20 @@ class Operator:
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.metrics_port = 0
 
     def start(self) -> None:
         self.starts += 1
         port = _free_port()
+        # Its own free port, not the default 8081: another operator (test_chart's) may run meanwhile.
+        self.metrics_port = _free_port()
         log_path = self.log_dir / f"operator-{self.starts}.log"
         env = {
             **os.environ,
             "KUBECONFIG": str(self.cluster.kubeconfig),
             # A short status cadence keeps waits short; child events make most updates immediate anyway.
             "OMNIMODEL_STATUS_INTERVAL": str(self.status_interval),
+            "OMNIMODEL_METRICS_PORT": str(self.metrics_port),
         }
         with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
             self.proc = subprocess.Popen(
@@ -70,6 +74,12 @@ class Operator:
                 return False
 
         wait_for(alive, 60, what="operator liveness endpoint")
+
+    def scrape(self) -> str:
+        """The operator's /metrics text (served from its startup handler, up before /healthz answers)."""
+        response = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)
+        response.raise_for_status()
+        return response.text
 
     def kill(self) -> None:
         """SIGKILL: no cleanup handlers run, as when a pod is evicted mid-reconcile."""

@@ -132,6 +132,8 @@ def test_install_creates_the_operator_objects(release: Release) -> None:
     assert release.get("clusterrolebinding", release.cluster_role) is not None
     assert release.get("role", FULLNAME, "-n", release.watched) is not None
     assert release.get("rolebinding", FULLNAME, "-n", release.watched) is not None
+    metrics = release.get("service", f"{FULLNAME}-metrics", "-n", release.namespace)
+    assert metrics["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
     crd = release.get("crd", CRD)
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
@@ -230,6 +232,8 @@ class PodAsProcess:
         ]
         env = {e["name"]: e["value"] for e in container.get("env", [])}
         env["OMNIMODEL_HEALTH_PORT"] = str(self.port)
+        # The pod's metrics port would be shared by every operator process on this host.
+        env["OMNIMODEL_METRICS_PORT"] = str(_free_port())
         self.env = env
         self.log = workdir / "operator.log"
         kubeconfig = service_account_kubeconfig(release, workdir / "sa.kubeconfig")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from support import Kube, Operator, wait_for
 
@@ -178,6 +179,43 @@ def test_operator_restart_mid_reconcile_creates_no_duplicates(kube: Kube, operat
     services = kube.get("services", selector="app.kubernetes.io/instance=qwen-omni")["items"]
     assert len(services) == 4
     assert len(stage_pods(kube, "qwen-omni", "thinker")) == 2
+
+
+# -------------------------------------------------------------------------------------------- metrics
+
+
+def metric_values(text: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """Samples of one name from a /metrics text, as Prometheus parses it, keyed by their labels."""
+    return {
+        frozenset(s.labels.items()): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_metrics_count_the_passes_that_made_an_omnimodel_ready(kube: Kube, operator: Operator) -> None:
+    kube.run("apply", "-f", str(REPO / "examples" / "text-tiny.yaml"))
+    kube.wait_ready("text-tiny")
+
+    def resynced() -> str | None:
+        # The gauge comes from the periodic resync pass (1 s here), which may not have run since Ready.
+        text = operator.scrape()
+        ready = metric_values(text, "omnimodel_operator_omnimodels")
+        return text if ready[frozenset({("ready", "True")})] >= 1 else None
+
+    text: str = wait_for(resynced, 30, what="a resync pass counting a Ready OmniModel")
+    passes = metric_values(text, "omnimodel_operator_reconciles_total")
+    ok = {dict(labels)["trigger"]: v for labels, v in passes.items() if dict(labels)["result"] == "ok"}
+    # Created (spec), then refreshed as its Deployments rolled out (child events) and periodically.
+    assert ok["spec"] > 0 and ok["child_event"] > 0 and ok["resync"] > 0, passes
+    durations = metric_values(text, "omnimodel_operator_reconcile_duration_seconds_count")
+    assert durations[frozenset({("trigger", "spec")})] > 0
+    writes: dict[str, float] = {}
+    for labels, v in metric_values(text, "omnimodel_operator_api_writes_total").items():
+        writes[dict(labels)["verb"]] = writes.get(dict(labels)["verb"], 0) + v
+    # Its children were applied, its status written, and Ready announced by an Event.
+    assert writes["apply"] > 0 and writes["status"] > 0 and writes["event"] > 0, writes
 
 
 # ------------------------------------------------------------------------------------------ CEL rules

@@ -11,10 +11,12 @@ import kopf
 
 from omnimodel_operator import constants as C
 from omnimodel_operator.kube import ApiError, HttpKube, KubeClient, load_connection
-from omnimodel_operator.reconcile import reconcile
+from omnimodel_operator.metrics import CountingKube, MetricsServer, OperatorMetrics, Trigger, ready_counts
+from omnimodel_operator.reconcile import Outcome, reconcile
 from omnimodel_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()
+METRICS = OperatorMetrics()
 _state: dict[str, Any] = {}
 # One reconcile at a time per object: the timer, child events and spec handlers may fire together.
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -53,6 +55,27 @@ async def start_resync(logger: kopf.Logger, **_: Any) -> None:
     _state["resync"] = asyncio.create_task(_resync_forever(logger))
 
 
+@kopf.on.startup()
+def start_metrics(logger: kopf.Logger, **_: Any) -> None:
+    port = SETTINGS.metrics_port
+    if port == 0:
+        return
+    try:
+        _state["metrics"] = MetricsServer(METRICS.registry, port)
+    except OSError as err:
+        # Permanent: kopf then exits, and a crash-looping pod says more than a silent missing endpoint.
+        raise kopf.PermanentError(f"Cannot serve metrics on port {port}: {err}") from err
+    logger.info(f"Serving Prometheus metrics on port {port} at /metrics")
+
+
+@kopf.on.cleanup()
+async def stop_metrics(**_: Any) -> None:
+    server: MetricsServer | None = _state.pop("metrics", None)
+    if server is not None:
+        # shutdown() waits for the serving thread's next poll: off the event loop.
+        await asyncio.to_thread(server.close)
+
+
 @kopf.on.cleanup()
 async def close_client(**_: Any) -> None:
     task = _state.pop("resync", None)
@@ -75,35 +98,46 @@ async def _resync_forever(logger: logging.Logger | logging.LoggerAdapter[Any]) -
 
 
 async def resync_once(namespaces: list[str], logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
-    """Reconcile every OmniModel once; one object's failure does not stop the pass."""
+    """Reconcile every OmniModel once; one object's failure does not stop the pass. Refreshes the
+    OmniModels-by-Ready gauge from what the pass saw."""
     client = _client()
     limit = asyncio.Semaphore(8)
+    statuses: list[dict[str, Any] | None] = []
 
     async def one(obj: dict[str, Any]) -> None:
         if obj["metadata"].get("deletionTimestamp"):
             return
+        outcome: Outcome | None = None
         async with limit:
             try:
-                await _run(kopf.Body(cast("kopf.RawBody", obj)), logger)
+                outcome = await _run(kopf.Body(cast("kopf.RawBody", obj)), logger, "resync")
             except kopf.TemporaryError as err:
                 logger.warning(f"Resync of {obj['metadata']['namespace']}/{obj['metadata']['name']}: {err}")
+        # The status this pass wrote, else the one it listed (the pass failed for this object).
+        statuses.append(outcome.status if outcome is not None else obj.get("status"))
 
     for namespace in namespaces:
         items = await client.list(C.API_VERSION, C.KIND, namespace, {})
         await asyncio.gather(*(one(obj) for obj in items))
+    METRICS.set_omnimodels(ready_counts(statuses))
 
 
 async def _run(
-    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any], *, status_only: bool = False
-) -> None:
+    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any], trigger: Trigger
+) -> Outcome | None:
+    """One counted, timed reconcile; None when the OmniModel went away meanwhile. A child event
+    needs only status (see :func:`reconcile`)."""
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    client = CountingKube(_client(), METRICS)
     async with _locks[key]:
         try:
-            outcome = await reconcile(_client(), body, SETTINGS, status_only=status_only)
+            with METRICS.reconcile_pass(trigger) as reconcile_pass:
+                outcome = await reconcile(client, body, SETTINGS, status_only=trigger == "child_event")
+                reconcile_pass.finished(outcome)
         except ApiError as err:
             if err.status == 404:  # deleted while we worked; garbage collection does the rest
                 logger.debug(f"Stopped reconciling: {err}")
-                return
+                return None
             if err.transient:
                 raise kopf.TemporaryError(f"API error, will retry: {err}", delay=5) from err
             raise
@@ -113,13 +147,14 @@ async def _run(
         logger.info(f"Deleted {ref}")
     if outcome.invalid is not None:
         logger.warning(f"Invalid spec, nothing applied: {outcome.invalid}")
+    return outcome
 
 
 @kopf.on.resume(C.GROUP, C.VERSION, C.PLURAL)
 @kopf.on.create(C.GROUP, C.VERSION, C.PLURAL)
 @kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec")
 async def reconcile_spec(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    await _run(body, logger)
+    await _run(body, logger, "spec")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={C.LABEL_MANAGED_BY: C.MANAGED_BY})
@@ -139,4 +174,4 @@ async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         return
     if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
         return
-    await _run(kopf.Body(cast("kopf.RawBody", parent)), logger, status_only=True)
+    await _run(kopf.Body(cast("kopf.RawBody", parent)), logger, "child_event")

@@ -43,6 +43,12 @@ class OperatorSettings(BaseSettings):
         description="Render NetworkPolicies limiting stage ingress to the gateway and upstream stages.",
     )
     health_port: int = Field(default=8080, description="kopf liveness endpoint port.")
+    metrics_port: int = Field(
+        default=8081,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus endpoint `/metrics` (all interfaces); 0 serves no metrics.",
+    )
 
     def runtime_image(self, vendor: Vendor) -> str:
         return self.runtime_images.get(vendor.value, DEFAULT_RUNTIME_IMAGES[vendor.value])

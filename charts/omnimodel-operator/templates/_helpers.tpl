@@ -76,6 +76,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
+The metrics Service: the full name plus `-metrics`, cut so that the whole stays a valid Service name
+(63 characters).
+*/}}
+{{- define "omnimodel-operator.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "omnimodel-operator.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/*
+OMNIMODEL_METRICS_PORT: the metrics port, or 0 (the operator's "serve no metrics") when disabled.
+*/}}
+{{- define "omnimodel-operator.metricsPort" -}}
+{{- if .Values.metrics.enabled }}
+{{- if eq (int .Values.metrics.port) (int .Values.operator.healthPort) }}
+{{- fail (printf "metrics.port and operator.healthPort are both %d: the metrics endpoint and kopf's liveness endpoint need a port each" (int .Values.metrics.port)) }}
+{{- end }}
+{{- .Values.metrics.port | int }}
+{{- else }}
+{{- 0 }}
+{{- end }}
+{{- end }}
+
+{{/*
 Create the name of the service account to use
 */}}
 {{- define "omnimodel-operator.serviceAccountName" -}}

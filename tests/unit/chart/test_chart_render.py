@@ -35,6 +35,7 @@ from omnimodel_operator.kube import RESOURCES
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 
 FULLNAME = "omni-omnimodel-operator"
+METRICS_SERVICE = f"{FULLNAME}-metrics"
 CLUSTER_ROLE = f"{NAMESPACE}-{FULLNAME}"
 CHART_YAML = yaml.safe_load((CHART / "Chart.yaml").read_text())
 
@@ -43,6 +44,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["ml", "team-a"]},
     "no-crds-no-rbac": {"crds": {"enabled": False}, "rbac": {"create": False}, "serviceAccount": {"create": False}},
+    "no-metrics": {"metrics": {"enabled": False}},
+    "service-monitor": {
+        "metrics": {
+            "port": 9100,
+            "service": {"annotations": {"prometheus.io/scrape": "true"}},
+            "serviceMonitor": {
+                "enabled": True,
+                "interval": "15s",
+                "scrapeTimeout": "10s",
+                "labels": {"release": "prom"},
+            },
+        }
+    },
     "everything-set": {
         "image": {"repository": "registry.local/op", "tag": "dev", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
@@ -55,6 +69,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "verbose": True,
             "extraEnv": [{"name": "EXTRA", "value": "1"}],
         },
+        "metrics": {"port": 9091},
         "serviceAccount": {"annotations": {"iam.example.com/role": "omni"}},
         "podAnnotations": {"a": "b"},
         "podLabels": {"team": "ml"},
@@ -142,8 +157,11 @@ def test_generated_files_are_up_to_date(script: str) -> None:
 def test_default_render_has_exactly_the_operator_objects(render: Render) -> None:
     manifests = render()
     assert kinds(manifests) == sorted(
-        ["ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Deployment", "Job"]
-    )
+        [
+            "ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Deployment",
+            "Service", "Job",
+        ]
+    )  # fmt: skip
     for m in manifests:
         if m["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
             assert m["metadata"]["namespace"] == NAMESPACE, m["kind"]
@@ -161,7 +179,10 @@ def test_deployment_runs_one_operator_with_kopf_health_probes(render: Render) ->
     assert container["image"] == f"ghcr.io/omnimodel/omnimodel-operator:{__version__}"
     assert container["command"] == ["omnimodel-operator"]
     assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz"]
-    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
 
@@ -203,6 +224,7 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
         namespaces=[],
         network_policy=True,
         health_port=8080,
+        metrics_port=8081,
     )
 
 
@@ -222,9 +244,10 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
     assert settings.status_interval == 2.5
     assert settings.network_policy is False
     assert settings.health_port == 9090
+    assert settings.metrics_port == 9091
     assert settings.image_pull_policy == "IfNotPresent"
     assert container["args"] == ["run", "--liveness=http://0.0.0.0:9090/healthz", "--verbose"]
-    assert container["ports"][0]["containerPort"] == 9090
+    assert [p["containerPort"] for p in container["ports"]] == [9090, 9091]
 
 
 def test_runtime_image_per_vendor_follows_the_accelerator_table(render: Render) -> None:
@@ -271,6 +294,9 @@ def test_bad_values_are_rejected_by_the_schema(render_error: RenderError) -> Non
     assert "replicas" in render_error({"replicas": 2})  # one operator, not configurable
     assert "statusInterval" in render_error({"operator": {"statusInterval": 0}})
     assert "watchNamespaces" in render_error({"watchNamespaces": ["Not_A_Namespace"]})
+    assert "port" in render_error({"metrics": {"port": 0}})  # 0 is the operator's "off": use metrics.enabled
+    assert "interval" in render_error({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}})
+    assert "serviceMonitor" in render_error({"metrics": {"serviceMonitor": {"intervall": "30s"}}})
 
 
 # ------------------------------------------------------------------------------------- pod placement
@@ -377,7 +403,7 @@ def test_rbac_rules_are_commented_by_purpose() -> None:
 
 def test_existing_service_account_and_no_rbac(render: Render) -> None:
     manifests = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}})
-    assert kinds(manifests) == ["CustomResourceDefinition", "Deployment", "Job"]
+    assert kinds(manifests) == ["CustomResourceDefinition", "Deployment", "Job", "Service"]
     assert find(manifests, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
 
 
@@ -392,12 +418,73 @@ def test_service_account_binding_follows_its_name(render: Render) -> None:
 # ---------------------------------------------------------------------------------- metrics, test hook
 
 
-def test_service_monitor_is_refused_because_there_are_no_metrics(render_error: RenderError) -> None:
-    assert "exposes no Prometheus metrics" in render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
+def test_metrics_service_targets_the_operator_metrics_port(render: Render) -> None:
+    manifests = render()
+    service = find(manifests, "Service", METRICS_SERVICE, NAMESPACE)
+    assert "annotations" not in service["metadata"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    # Selects the operator pod, and only it (the helm test pod carries other labels).
+    pod_labels = find(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    job_labels = find(manifests, "Job")["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= job_labels.items()
+    ports = {p["name"]: p["containerPort"] for p in operator_container(manifests)["ports"]}
+    assert ports["metrics"] == int(env_of(operator_container(manifests))["OMNIMODEL_METRICS_PORT"])
+
+
+def test_metrics_disabled_means_no_endpoint_and_no_service(render: Render, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = render(VALUE_SETS["no-metrics"])
+    assert "Service" not in kinds(manifests)
+    container = operator_container(manifests)
+    assert [p["name"] for p in container["ports"]] == ["health"]
+    for name, value in env_of(container).items():
+        monkeypatch.setenv(name, value)
+    assert OperatorSettings().metrics_port == 0  # the operator's "serve no metrics"
 
 
 def test_no_service_monitor_by_default(render: Render) -> None:
     assert "ServiceMonitor" not in kinds(render())
+
+
+def test_service_monitor_scrapes_the_metrics_service(render: Render) -> None:
+    manifests = render(VALUE_SETS["service-monitor"])
+    monitor = find(manifests, "ServiceMonitor", FULLNAME, NAMESPACE)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == "omni"
+    service = find(manifests, "Service", METRICS_SERVICE)
+    assert service["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint == {
+        "port": "metrics",
+        "path": "/metrics",
+        "scheme": "http",
+        "interval": "15s",
+        "scrapeTimeout": "10s",
+    }
+    assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
+    assert service["spec"]["ports"][0]["port"] == 9100
+    assert env_of(operator_container(manifests))["OMNIMODEL_METRICS_PORT"] == "9100"
+
+
+def test_service_monitor_defaults_leave_the_timeout_to_prometheus(render: Render) -> None:
+    monitor = find(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "scheme": "http", "interval": "30s"}
+    ]
+
+
+def test_service_monitor_without_metrics_is_refused(render_error: RenderError) -> None:
+    error = render_error({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}})
+    assert "metrics.serviceMonitor.enabled needs metrics.enabled" in error
+
+
+def test_metrics_port_must_differ_from_the_health_port(render_error: RenderError) -> None:
+    assert "need a port each" in render_error({"metrics": {"port": 9090}, "operator": {"healthPort": 9090}})
 
 
 def test_helm_test_job_checks_crd_and_access_with_the_operator_account(render: Render) -> None:
@@ -427,8 +514,9 @@ def test_fullname_override_and_name_length(render: Render) -> None:
     deployment = find(manifests, "Deployment")
     assert deployment["metadata"]["name"] == "x" * 63
     for m in manifests:
-        if m["kind"] in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "Job"):
+        if m["kind"] in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "Job", "Service"):
             assert len(m["metadata"]["name"]) <= 63, m["kind"]
+    assert find(manifests, "Service")["metadata"]["name"] == "x" * 55 + "-metrics"
 
 
 # ------------------------------------------------------------------------------------------ validity
@@ -438,6 +526,9 @@ def test_fullname_override_and_name_length(render: Render) -> None:
 def test_rendered_manifests_validate_against_kubernetes_schemas(render: Render, values: str) -> None:
     validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate").validate
     for manifest in render(VALUE_SETS[values]):
+        # Not a Kubernetes kind (Prometheus Operator CRD): checked field by field by its own tests.
+        if manifest["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
         validate(manifest, KUBE_VERSION, strict=True)
 
 
