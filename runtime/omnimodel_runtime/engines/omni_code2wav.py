@@ -16,6 +16,11 @@ that turns codes into mel frames (2 per code), then BigVGAN (240 samples per mel
   whole path (tolerance measured and stated in docs/pipelines/qwen2.5-omni.md).
 
 Both paths use :func:`sample_mel`, which is the DiT's own ``sample()`` with the initial noise passed in.
+
+Speech requests (``/v1/audio/speech``) have no whole-model waveform to reproduce, so both paths draw the
+noise from the position-consistent sequence (:class:`PagedNoise`): the whole file and the stream then
+differ only by the chunking error. Their ``speed`` time-stretches the DiT's mel before BigVGAN (linear
+interpolation, pitch unchanged; the ``tts`` preset's :class:`TimeStretch`, exact in chunks).
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ from omnimodel_runtime.engines.omni_common import (
     load_config,
     load_prefixed,
     quiet_transformers,
+    request_seed,
     request_voice,
+    speaks,
     tensor_frame,
+    voice_param,
 )
+from omnimodel_runtime.engines.speech_common import MAX_SPEED, MIN_SPEED, TimeStretch
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, StageRequest, TensorFrame, Usage
 
@@ -197,13 +206,21 @@ class OmniCode2WavEngine(OmniEngine):
         if inp.upstream is None:
             raise StageError("code2wav takes its input from the talker stage", status=400)
         assert self._speakers is not None
-        voice = self._speakers.resolve(request_voice(inp.request))
+        request = inp.request
+        voice = self._speakers.resolve(request_voice(request), param=voice_param(request))
         speaker = self._speakers[voice]
         job.data["cond"] = speaker["cond"].float().to(self.device).reshape(1, -1)
         job.data["ref_mel"] = speaker["ref_mel"].float().to(self.device)
-        job.data["chunked"] = bool(inp.request.params.get(CHUNKED_PARAM, inp.request.stream))
-        seed = inp.request.sampling.seed
-        job.data["seed"] = seed if seed is not None else secrets.randbits(63)
+        job.data["chunked"] = bool(request.params.get(CHUNKED_PARAM, request.stream))
+        job.data["seed"] = request_seed(request)
+        job.data["paged_noise"] = speaks(request)
+        try:
+            speed = float(request.params.get("speed", 1.0))
+        except (TypeError, ValueError):
+            raise StageError("speed must be a number", status=400, param="speed") from None
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise StageError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}", status=400, param="speed")
+        job.data["speed"] = speed
 
     def run(self, job: Job) -> None:
         if job.data["chunked"]:
@@ -226,13 +243,35 @@ class OmniCode2WavEngine(OmniEngine):
         if codes:
             dit = self.model.code2wav_dit_model
             frames = len(codes) * int(dit.repeats)
-            noise = torch.randn([1, frames, dit.mel_dim], generator=self._noise_generator(job, rng), device=self.device)
+            if job.data["paged_noise"]:
+                noise = self._paged_noise(job).frames(0, frames)
+            else:
+                generator = self._noise_generator(job, rng)
+                noise = torch.randn([1, frames, dit.mel_dim], generator=generator, device=self.device)
             code_tensor = torch.tensor([codes], dtype=torch.long, device=self.device)
             mel = sample_mel(
                 dit, job.data["cond"], job.data["ref_mel"], code_tensor, noise, check=job.check, **self._options
             )
+            stretch = self._stretch(job)
+            if stretch is not None:
+                mel = self._stretched(stretch, mel, final=True)
             self._emit_audio(job, self.model.code2wav_bigvgan_model(mel))
         job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
+
+    def _paged_noise(self, job: Job) -> PagedNoise:
+        assert self._plan is not None
+        dit = self.model.code2wav_dit_model
+        return PagedNoise(job.data["seed"], self._plan.block * int(dit.repeats), int(dit.mel_dim), self.device)
+
+    @staticmethod
+    def _stretch(job: Job) -> TimeStretch | None:
+        speed: float = job.data["speed"]
+        return None if speed == 1.0 else TimeStretch(speed)
+
+    def _stretched(self, stretch: TimeStretch, mel: torch.Tensor, *, final: bool) -> torch.Tensor:
+        """Push mel (1, mel_dim, n) through ``stretch``; the frames it can compute so far, same layout."""
+        frames = stretch.push(mel[0].transpose(0, 1).to("cpu").numpy(), final=final)
+        return torch.from_numpy(np.ascontiguousarray(frames.T)).unsqueeze(0).to(self.device)
 
     def _noise_generator(self, job: Job, rng: TensorFrame | None) -> torch.Generator:
         """The whole model draws the DiT's noise right after the talker's last sample: continue the
@@ -251,7 +290,8 @@ class OmniCode2WavEngine(OmniEngine):
         plan = self._plan
         dit, vocoder = self.model.code2wav_dit_model, self.model.code2wav_bigvgan_model
         repeats = int(dit.repeats)
-        noise = PagedNoise(job.data["seed"], plan.block * repeats, int(dit.mel_dim), self.device)
+        noise = self._paged_noise(job)
+        stretch = self._stretch(job)
         codes: list[int] = []
         mel = torch.zeros((1, int(dit.mel_dim), 0), device=self.device)
         mel_start = 0  # global index of mel[..., 0] (older frames are dropped once vocoded)
@@ -276,11 +316,14 @@ class OmniCode2WavEngine(OmniEngine):
                     dit, job.data["cond"], job.data["ref_mel"], window, y0, check=job.check, **self._options
                 )
                 keep = out[:, :, (chunk_start - lo) * repeats : (end - lo) * repeats]
+                last = ended and end >= len(codes)
+                if stretch is not None:
+                    keep = self._stretched(stretch, keep, final=last)
                 mel = torch.cat([mel, keep], dim=2)
                 chunk_start = end
                 # Vocode what has enough right context (everything at the end).
                 total = mel_start + mel.shape[2]
-                ready = total if ended and chunk_start >= len(codes) else total - plan.vocoder_context
+                ready = total if last else total - plan.vocoder_context
                 if ready > voiced:
                     lo_m = max(mel_start, voiced - plan.vocoder_context)
                     hi_m = min(total, ready + plan.vocoder_context)

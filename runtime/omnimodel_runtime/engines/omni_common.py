@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -36,6 +37,7 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.speech import SPEAK_PARAM
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,
     FinalFrame,
@@ -60,6 +62,8 @@ GENERATION_FILE: Final = "omni_generation_config.json"
 SPEAKER_FILE: Final = "spk_dict.pt"
 # The whole model's generate() uses this voice when none is named.
 DEFAULT_VOICE: Final = "Chelsie"
+# The seed of a speech request that names none.
+SPEECH_SEED: Final = 0
 
 # bfloat16 has no numpy dtype: such rows travel as their raw 16-bit patterns (lossless, 2 bytes a value).
 _BF16: Final = "bfloat16"
@@ -184,17 +188,25 @@ class Speakers:
     def names(self) -> list[str]:
         return list(self.entries)
 
-    def resolve(self, voice: str | None) -> str:
-        """The speaker-map key for ``voice`` (case-insensitive); the whole model's default when unset."""
+    @property
+    def default(self) -> str:
+        """The whole model's default voice, else the first one."""
+        return DEFAULT_VOICE if DEFAULT_VOICE in self.entries else self.names[0]
+
+    def resolve(self, voice: str | None, *, param: str = "audio.voice") -> str:
+        """The speaker-map key for ``voice`` (case-insensitive); the default when unset or ``"default"``
+        (the speech API's name for "no particular voice", unless the map has a voice of that name)."""
         if voice is None:
-            return DEFAULT_VOICE if DEFAULT_VOICE in self.entries else self.names[0]
+            return self.default
         for name in self.entries:
             if name.lower() == voice.lower():
                 return name
+        if voice.lower() == "default":
+            return self.default
         raise StageError(
             f"unknown voice {voice!r}; this model speaks with: {', '.join(self.names)}",
             status=400,
-            param="audio.voice",
+            param=param,
         )
 
     def __getitem__(self, name: str) -> Mapping[str, Any]:
@@ -204,6 +216,26 @@ class Speakers:
 def request_voice(request: StageRequest) -> str | None:
     voice = request.params.get("voice")
     return None if voice is None else str(voice)
+
+
+def speaks(request: StageRequest) -> bool:
+    """Whether this is a ``/v1/audio/speech`` request: say ``prompt`` verbatim instead of answering it."""
+    return bool(request.params.get(SPEAK_PARAM))
+
+
+def voice_param(request: StageRequest) -> str:
+    """The API field that names the voice, for error messages."""
+    return "voice" if speaks(request) else "audio.voice"
+
+
+def request_seed(request: StageRequest) -> int:
+    """The seed of the talker's sampling and code2wav's noise. Speech without a seed uses
+    :data:`SPEECH_SEED` (as the ``tts`` preset: the same request gives the same audio); a chat without
+    one gets a fresh random seed (as the whole model without ``manual_seed``)."""
+    seed = request.sampling.seed
+    if seed is not None:
+        return seed
+    return SPEECH_SEED if speaks(request) else secrets.randbits(63)
 
 
 # ---------------------------------------------------------------- randomness
@@ -332,6 +364,11 @@ class OmniEngine(Engine, abc.ABC):
     def prepare(self, inp: StageInput, job: Job) -> None:
         """Validate the request on the event loop (raise ``StageError`` 4xx); may fill ``job.data``."""
 
+    def query(self, request: StageRequest) -> list[ResponseFrame] | None:
+        """The answer to a request that asks about the engine rather than for work (e.g. the voices),
+        given on the event loop without the worker; ``None`` for ordinary requests."""
+        return None
+
     @abc.abstractmethod
     def run(self, job: Job) -> None:
         """Serve one request on the worker thread, emitting frames; the worker adds nothing after it."""
@@ -370,6 +407,11 @@ class OmniEngine(Engine, abc.ABC):
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         if self._thread is None or self._loop is None:
             raise StageError("the engine is not running", status=503, type="service_unavailable")
+        answer = self.query(inp.request)
+        if answer is not None:
+            for frame in answer:
+                yield frame
+            return
         job = Job(request=inp.request, out=asyncio.Queue(), loop=self._loop)
         self.prepare(inp, job)
         pump = asyncio.create_task(self._pump(inp.upstream, job)) if inp.upstream is not None else None

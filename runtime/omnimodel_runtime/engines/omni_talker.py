@@ -34,6 +34,7 @@ from omnimodel_runtime.engines.omni_common import (
     generation_overrides,
     load_config,
     load_part,
+    request_seed,
     rows_from_wire,
     tensor_frame,
 )
@@ -105,8 +106,7 @@ class OmniTalkerEngine(OmniEngine):
     def prepare(self, inp: StageInput, job: Job) -> None:
         if inp.upstream is None:
             raise StageError("the talker takes its input from the thinker stage", status=400)
-        seed = inp.request.sampling.seed
-        job.data["seed"] = seed if seed is not None else secrets.randbits(63)
+        job.data["seed"] = request_seed(inp.request)
 
     def run(self, job: Job) -> None:
         frames = job.upstream()

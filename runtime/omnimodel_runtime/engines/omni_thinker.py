@@ -12,16 +12,27 @@ Runs ``Qwen2_5OmniThinkerForConditionalGeneration.generate()`` itself, exactly a
   the deadline and cancellation, and ends the request's turn on the global generator (:class:`RngTurn`).
 
 Text-only requests skip the row hook entirely. Frame layouts: docs/pipelines/qwen2.5-omni.md.
+
+**Forced replies** (``/v1/audio/speech``: say exactly this text). Instead of sampling, a logits processor
+teacher-forces the given reply tokens one decode step at a time, and the same hooks stream the same rows
+— bit for bit the rows of a generation that happened to produce those tokens, since every forward pass
+is the same call on the same inputs (one decode step per token rather than one batched pass, which would
+round differently). The talker and code2wav cannot tell the difference. A speech request's prompt frames
+the reply as the answer to "repeat this text" under the released model's default system prompt (see
+:meth:`OmniThinkerEngine.speech_prompt`); a forced reply sends no text to anyone.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
-from typing import Any
+from typing import Any, Final
 
 import torch
 from transformers import (
     AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
     Qwen2_5OmniThinkerForConditionalGeneration,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -40,8 +51,11 @@ from omnimodel_runtime.engines.omni_common import (
     quiet_transformers,
     request_voice,
     rows_to_wire,
+    speaks,
     tensor_frame,
+    voice_param,
 )
+from omnimodel_runtime.engines.speech_common import QUERY_VOICES
 from omnimodel_runtime.engines.text import (
     GenerationDefaults,
     IncrementalDetokenizer,
@@ -50,12 +64,49 @@ from omnimodel_runtime.engines.text import (
     resolve_sampling,
 )
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TextFrame, Usage
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageRequest,
+    TensorFrame,
+    TextFrame,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+# Stage-request parameter: token ids the thinker teacher-forces as its reply instead of sampling one
+# (after the prompt given as usual). Speech requests get theirs from the input text.
+REPLY_IDS_PARAM: Final = "reply_ids"
+# The released model's default system prompt. Its model card: audio output works as expected only with
+# this system prompt, so a speech request is framed by it too.
+SPEECH_SYSTEM_PROMPT: Final = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+    "auditory and visual inputs, as well as generating text and speech."
+)
+# The user turn before the input text: with it, the forced reply is the answer the model itself would most
+# likely give, so the forced rows look like the rows of its own generation (what the talker learnt from).
+SPEECH_INSTRUCTION: Final = "Repeat the following text exactly as it is written, and say nothing else:\n"
+# Stands in for the input text while the chat template is rendered (it never reaches the tokenizer).
+_TEXT_MARK: Final = "\x00omnimodel-speech-input\x00"
 
 
 def wants_audio(request: StageRequest) -> bool:
     """Whether this request continues into the talker (the gateway says so in ``params``)."""
-    return "audio" in (request.params.get("modalities") or ())
+    return speaks(request) or "audio" in (request.params.get("modalities") or ())
+
+
+def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[int] | None:
+    given = request.params.get(REPLY_IDS_PARAM)
+    if given is None:
+        return None
+    if not isinstance(given, list | tuple) or not all(isinstance(t, int) and 0 <= t < vocab for t in given):
+        raise StageError(f"{REPLY_IDS_PARAM} must be a list of token ids below {vocab}", status=400)
+    if eos.intersection(given):
+        # generate() would stop at it: the reply would end early and silently.
+        raise StageError(f"{REPLY_IDS_PARAM} must not contain end-of-sequence tokens", status=400)
+    return list(given)
 
 
 def _only_text(request: StageRequest) -> None:
@@ -86,6 +137,9 @@ class OmniThinkerEngine(OmniEngine):
         self._max_model_len = 0
         self._placeholders: list[int] = []
         self._tts_ids: tuple[int, int] = (0, 0)
+        self._vocab = 0
+        # Token ids of the speech prompt before and after the input text (None: the template cannot).
+        self._speech_frame: tuple[list[int], list[int]] | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -118,6 +172,45 @@ class OmniThinkerEngine(OmniEngine):
         self._tts_ids = (config.talker_config.tts_text_end_token_id, config.talker_config.tts_text_pad_token_id)
         if config.enable_audio_output:
             self._speakers = Speakers.load(model_dir)
+        self._vocab = int(text_config.vocab_size)
+        self._speech_frame = self._render_speech_frame(
+            str(self.args.get("speech_system_prompt", SPEECH_SYSTEM_PROMPT)),
+            str(self.args.get("speech_instruction", SPEECH_INSTRUCTION)),
+        )
+
+    def _render_speech_frame(self, system: str, instruction: str) -> tuple[list[int], list[int]] | None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": instruction + _TEXT_MARK}]
+        rendered = str(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        parts = rendered.split(_TEXT_MARK)
+        if len(parts) != 2:
+            # Chat still works; only speech, which needs the text at a known place, does not.
+            log.warning("The chat template does not render a user message verbatim: speech requests are refused")
+            return None
+        head, tail = (self._tokenizer.encode(p, add_special_tokens=False) for p in parts)
+        return head, tail
+
+    def speech_prompt(self, text: str) -> tuple[list[int], list[int]]:
+        """The prompt and the forced reply of a speech request, as token ids.
+
+        The prompt is the chat: system = :data:`SPEECH_SYSTEM_PROMPT`, user = :data:`SPEECH_INSTRUCTION`
+        followed by the text, then the assistant's turn; the reply is the text. Control-token strings in
+        the text (``<|im_end|>``) stay plain text: the input cannot end the reply or the user turn.
+        """
+        if self._speech_frame is None:
+            raise StageError(
+                "this model's chat template cannot frame a speech request", status=501, type="not_implemented"
+            )
+        reply: list[int] = self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        head, tail = self._speech_frame
+        return [*head, *reply, *tail], reply
+
+    def query(self, request: StageRequest) -> list[ResponseFrame] | None:
+        if request.params.get("query") != QUERY_VOICES:
+            return None
+        if self._speakers is None:
+            return [FinalFrame("stop")]  # no voices: the speech route says so
+        meta = {"voices": self._speakers.names, "default": self._speakers.default}
+        return [TensorFrame({}, meta=meta), FinalFrame("stop")]
 
     async def warmup(self) -> None:
         request = StageRequest(
@@ -131,16 +224,40 @@ class OmniThinkerEngine(OmniEngine):
 
     def prepare(self, inp: StageInput, job: Job) -> None:
         request = inp.request
-        _only_text(request)
-        prompt_ids = render_prompt(self._tokenizer, request)
-        sampling = resolve_sampling(
-            request, self._defaults, prompt_len=len(prompt_ids), max_model_len=self._max_model_len
-        )
-        job.data.update(prompt_ids=prompt_ids, sampling=sampling, audio=wants_audio(request))
+        reply: list[int] | None
+        if speaks(request):
+            text = request.prompt or ""
+            if not text.strip():
+                raise StageError("input must contain text to speak", status=400, param="input")
+            prompt_ids, reply = self.speech_prompt(text)
+        else:
+            _only_text(request)
+            prompt_ids = render_prompt(self._tokenizer, request)
+            reply = _reply_ids(request, self._vocab, self._defaults.eos_token_ids)
+        if reply is not None:
+            if not reply:
+                raise StageError("the reply to force is empty", status=400, param="input")
+            # Every reply token is consumed by a decode step, and one more step ends the reply.
+            needed = len(prompt_ids) + len(reply) + 1
+            if needed > self._max_model_len:
+                raise StageError(
+                    f"the input is too long: speaking it takes {needed} tokens of context (with the prompt that "
+                    f"frames it), this model has {self._max_model_len}",
+                    status=400,
+                    param="input",
+                )
+            sampling = ResolvedSampling(
+                max_tokens=len(reply) + 1, temperature=0.0, top_p=1.0, seed=None, stop=(), ignore_eos=False
+            )
+        else:
+            sampling = resolve_sampling(
+                request, self._defaults, prompt_len=len(prompt_ids), max_model_len=self._max_model_len
+            )
+        job.data.update(prompt_ids=prompt_ids, sampling=sampling, audio=wants_audio(request), reply=reply)
         if job.data["audio"]:
             if self._speakers is None:
                 raise StageError("this checkpoint has no audio output (no talker)", status=400, param="modalities")
-            voice = self._speakers.resolve(request_voice(request))
+            voice = self._speakers.resolve(request_voice(request), param=voice_param(request))
             job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
 
     def run(self, job: Job) -> None:
@@ -162,6 +279,9 @@ class OmniThinkerEngine(OmniEngine):
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
+        reply: list[int] | None = job.data["reply"]
+        if reply is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([_Force(reply, len(prompt_ids))])
         try:
             self.model.generate(
                 input_ids=ids,
@@ -176,6 +296,10 @@ class OmniThinkerEngine(OmniEngine):
                 hook.remove()
             if turn is not None:
                 turn.end()
+        if reply is not None:
+            usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(reply))
+            job.emit(FinalFrame("stop", usage))
+            return
         if not job.request.stream:
             job.emit(TextFrame(text=criterion.detok.text, token_ids=tuple(criterion.tokens)))
         reason = criterion.reason or "length"
@@ -206,6 +330,7 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
         self.tokens: list[int] = []
         self.reason: str | None = None
         self.limit = min(sampling.max_tokens, engine._max_model_len - len(job.data["prompt_ids"]))
+        self.reply: list[int] | None = job.data.get("reply")
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
         if self.turn is not None:
@@ -214,6 +339,8 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
         self.tokens.append(token)
         metrics = self.engine.context.metrics
         metrics.observe_batch(1)
+        if self.reply is not None:
+            return self._forced(input_ids)
         metrics.add_generated_tokens(1)
         if not self.sampling.ignore_eos and token in self.engine._defaults.eos_token_ids:
             self.reason, text = "stop", self.detok.flush()
@@ -229,6 +356,34 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
         if self.reason is None:
             self.job.check()
         return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
+
+    def _forced(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A forced reply: no text for anyone; stop once the step that consumes its last token has run,
+        i.e. when the token after it (whatever it is, it is never used) has been picked."""
+        assert self.reply is not None
+        if len(self.tokens) <= len(self.reply):
+            self.engine.context.metrics.add_generated_tokens(1)
+            self.job.check()
+        else:
+            self.reason = "stop"
+        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
+
+
+class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped here
+    """Makes greedy decoding pick ``reply[t]`` at step t (every other token gets -inf); the step after
+    the reply is left alone (its token is never consumed)."""
+
+    def __init__(self, reply: list[int], prompt_len: int) -> None:
+        self.reply = reply
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_len
+        if step >= len(self.reply):
+            return scores
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.reply[step]] = 0.0
+        return forced
 
 
 class _RowHook:

@@ -144,7 +144,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                 ),
             ),
             modalities=(Modality.TEXT, Modality.AUDIO),
-            routes=(Route.CHAT,),
+            routes=(Route.CHAT, Route.SPEECH),
         ),
         Preset(
             name="text-to-image",

@@ -16,6 +16,10 @@ from omnimodel_runtime.protocol.openai import OpenAIBaseModel
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
+# Stage-request parameter (``params[SPEAK_PARAM] = True``): speak ``prompt`` verbatim. Sent to an entry
+# stage that writes text of its own (a chat model such as the Qwen2.5-Omni thinker), which would
+# otherwise answer the text instead of saying it; a TTS acoustic model only ever speaks its input.
+SPEAK_PARAM: Final = "speak"
 
 SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 

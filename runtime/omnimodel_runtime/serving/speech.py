@@ -1,11 +1,12 @@
 """Speech: ``/v1/audio/speech`` request -> stage request -> audio frames -> an audio file or a PCM stream.
 
-The request runs the pipeline's audio chain (acoustic -> vocoder on the ``tts`` preset) as one streaming
-chain: the vocoder starts on the first mel chunk. A stream waits for the first audio before the HTTP
-response starts, so a request that fails early (unknown voice, input too long, a stage down) still gets
-a proper status and error envelope, and the sample rate is known for the ``X-Sample-Rate`` header. A
-failure after the first bytes cannot become an error body in raw PCM: the stream is cut off, which a
-client sees as a truncated chunked response.
+The request runs the pipeline's audio chain (acoustic -> vocoder on the ``tts`` preset, thinker -> talker
+-> code2wav on ``qwen2.5-omni``) as one streaming chain: the vocoder starts on the first mel chunk. A
+chat model at the entry is told to speak the input verbatim (``SPEAK_PARAM``), not to answer it. A
+stream waits for the first audio before the HTTP response starts, so a request that fails early (unknown
+voice, input too long, a stage down) still gets a proper status and error envelope, and the sample rate
+is known for the ``X-Sample-Rate`` header. A failure after the first bytes cannot become an error body in
+raw PCM: the stream is cut off, which a client sees as a truncated chunked response.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from omnimodel_runtime.engines.base import StageInput
 from omnimodel_runtime.engines.speech_common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Stage
-from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.protocol.speech import SPEAK_PARAM, SpeechRequest, VoiceList
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.audio import MEDIA_TYPES, encode_audio, to_pcm16, unsupported_reason
 from omnimodel_runtime.serving.errors import APIError
@@ -111,13 +112,17 @@ class SpeechService:
         reason = unsupported_reason(fmt)
         if reason is not None:
             raise APIError(reason, param="response_format")
+        params: dict[str, object] = {"voice": req.voice_name, "speed": req.speed}
+        if Modality.TEXT in self.entry.outputs:
+            # A chat model (the Qwen2.5-Omni thinker) would answer the input: tell it to say it.
+            params[SPEAK_PARAM] = True
         request = StageRequest(
             request_id=request_id,
             prompt=req.input,
             sampling=SamplingParams(seed=req.seed),
             deadline=time.time() + self.request_timeout,
             stream=req.streamed,
-            params={"voice": req.voice_name, "speed": req.speed},
+            params=params,
         )
         return request, fmt
 

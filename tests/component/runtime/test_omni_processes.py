@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from runtime_procs import RuntimeProcess, free_port, running, runtime_env
@@ -154,3 +155,24 @@ def test_a_stage_process_refusing_the_voice_is_a_400_through_the_gateway(
             audio={"voice": "Nobody", "format": "wav"},
         )
     assert "Chelsie, Ethan" in str(caught.value)
+
+
+def test_speech_through_stage_processes_streams_what_the_file_holds(deployment: dict[str, RuntimeProcess]) -> None:
+    gateway = deployment["gateway"]
+    # The gateway has no model files: it asks the thinker process for the voices.
+    voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=30).json()
+    assert voices == {"voices": ["Chelsie", "Ethan"], "default": "Chelsie"}
+    before = {name: stage_requests(metrics(deployment[name]), name) for name in STAGES}
+    speech = client(gateway).audio.speech
+    whole = speech.create(model=MODEL, voice="Ethan", input="Hello from three processes.", response_format="pcm")
+    assert whole.response.headers["x-sample-rate"] == "24000"
+    with speech.with_streaming_response.create(
+        model=MODEL, voice="Ethan", input="Hello from three processes.", extra_body={"stream": True}
+    ) as resp:
+        streamed = b"".join(resp.iter_bytes())
+    a, b = np.frombuffer(whole.content, "<i2"), np.frombuffer(streamed, "<i2")
+    assert a.size > 0
+    assert a.shape == b.shape
+    assert np.abs(a.astype(int) - b.astype(int)).max() <= 1  # code2wav's chunking tolerance, in 16 bits
+    after = {name: stage_requests(metrics(deployment[name]), name) for name in STAGES}
+    assert after == {name: count + 2 for name, count in before.items()}
