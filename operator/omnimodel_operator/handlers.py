@@ -20,6 +20,8 @@ METRICS = OperatorMetrics()
 _state: dict[str, Any] = {}
 # One reconcile at a time per object: the timer, child events and spec handlers may fire together.
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+# Objects with a status refresh already queued behind their lock (see child_changed).
+_refresh_waiting: set[tuple[str, str]] = set()
 
 
 def watch_namespaces(namespaces: list[str]) -> None:
@@ -167,11 +169,23 @@ async def child_changed(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     )
     if owner is None:
         return
-    try:
-        parent = await _client().get(C.API_VERSION, C.KIND, body["metadata"]["namespace"], owner["name"])
-    except ApiError as err:
-        logger.debug(f"Skipped status refresh of {owner['name']}: {err}")
+    key = (body["metadata"]["namespace"], owner["name"])
+    # Coalesce: a rollout sends each Deployment's status through several events, and an OmniModel
+    # has several Deployments. One refresh that starts after an event sees that event's change, so
+    # while one is already waiting for the object's lock, further events need not queue another.
+    if key in _refresh_waiting:
         return
+    _refresh_waiting.add(key)
+    try:
+        async with _locks[key]:
+            _refresh_waiting.discard(key)
+            try:
+                parent = await _client().get(C.API_VERSION, C.KIND, key[0], key[1])
+            except ApiError as err:
+                logger.debug(f"Skipped status refresh of {owner['name']}: {err}")
+                return
+    finally:
+        _refresh_waiting.discard(key)
     if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
         return
     await _run(kopf.Body(cast("kopf.RawBody", parent)), logger, "child_event")
