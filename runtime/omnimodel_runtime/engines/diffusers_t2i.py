@@ -49,6 +49,7 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.diffusers_families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams, params_from_mapping
 from omnimodel_runtime.protocol.stage import (
@@ -325,9 +326,9 @@ class DiffusersImageEngine(Engine):
         try:
             self._load()
         except BaseException as err:
-            loop.call_soon_threadsafe(_set_exception, loaded, err)
+            loop.call_soon_threadsafe(set_exception, loaded, err)
             return
-        loop.call_soon_threadsafe(_set_result, loaded)
+        loop.call_soon_threadsafe(set_result, loaded)
         with torch.inference_mode():
             try:
                 self._serve()
@@ -635,13 +636,3 @@ def _expired(job: _Job) -> bool:
 def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
     for queue_, frame in outbox:
         queue_.put_nowait(frame)
-
-
-def _set_result(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(err)

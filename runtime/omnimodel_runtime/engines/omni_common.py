@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.speech import SPEAK_PARAM
 from omnimodel_runtime.protocol.stage import (
@@ -453,9 +454,9 @@ class OmniEngine(Engine, abc.ABC):
             with torch.inference_mode():
                 self.load()
         except BaseException as err:
-            loop.call_soon_threadsafe(_set_exception, loaded, err)
+            loop.call_soon_threadsafe(set_exception, loaded, err)
             return
-        loop.call_soon_threadsafe(_set_result, loaded)
+        loop.call_soon_threadsafe(set_result, loaded)
         log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
         while True:
             job = self._inbox.get()
@@ -490,13 +491,3 @@ class OmniEngine(Engine, abc.ABC):
 
 def tensor_frame(kind: str, tensors: Mapping[str, np.ndarray], **meta: Any) -> TensorFrame:
     return TensorFrame(tensors=dict(tensors), meta={"kind": kind, **meta})
-
-
-def _set_result(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(err)

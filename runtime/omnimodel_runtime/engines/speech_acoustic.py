@@ -50,11 +50,9 @@ from omnimodel_runtime.engines.speech_common import (
     GenerationBounds,
     TimeStretch,
     load_voices,
-    post,
-    set_exception,
-    set_result,
     stage_dir,
 )
+from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,

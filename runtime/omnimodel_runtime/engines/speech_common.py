@@ -10,7 +10,6 @@ sequence (float rounding, never a seam: windows carry the model's full receptive
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -24,6 +23,7 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
+from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.errors import RuntimeSetupError
 
 log = logging.getLogger(__name__)
@@ -289,19 +289,3 @@ class Worker:
                 post(loop, set_exception, fut, err)
             else:
                 post(loop, set_result, fut, result)
-
-
-def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """``call_soon_threadsafe`` that tolerates a loop already closed at shutdown (nobody listens then)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn, *args)
-
-
-def set_result(fut: asyncio.Future[Any], value: Any = None) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def set_exception(fut: asyncio.Future[Any], err: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(err)

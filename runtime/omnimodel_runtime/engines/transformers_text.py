@@ -45,6 +45,7 @@ from omnimodel_runtime.engines.text import (
     render_prompt,
     resolve_sampling,
 )
+from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,
@@ -201,9 +202,9 @@ class TransformersTextEngine(Engine):
         try:
             self._load()
         except BaseException as err:
-            loop.call_soon_threadsafe(_set_exception, loaded, err)
+            loop.call_soon_threadsafe(set_exception, loaded, err)
             return
-        loop.call_soon_threadsafe(_set_result, loaded)
+        loop.call_soon_threadsafe(set_result, loaded)
         with torch.inference_mode():
             self._serve()
 
@@ -476,13 +477,3 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
 def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
     for queue_, frame in outbox:
         queue_.put_nowait(frame)
-
-
-def _set_result(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(err)
