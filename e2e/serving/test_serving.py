@@ -3,7 +3,9 @@ their headless Service's DNS name, with the official openai client."""
 
 from __future__ import annotations
 
+import io
 import socket
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,25 @@ def test_scaled_stage_pods_share_the_traffic(kube: Kube, pods: PodRunner) -> Non
     served = [stage_requests(u) for u in stages]
     assert sum(served) == 6
     assert all(n > 0 for n in served), served
+
+
+def test_speech_through_two_stage_pods(kube: Kube, pods: PodRunner) -> None:
+    """The tts example: the gateway pod relays the acoustic pod's mel, as it streams, into the vocoder pod."""
+    kube.apply(example("tts.yaml"))
+    kube.wait_ready("speech")
+    base = f"http://speech-gateway.{kube.ns}.svc:8000"
+    wait_for(lambda: healthy(base), 180, interval=0.5, what="gateway /health 200 (both stages warm)")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    wav = client.audio.speech.create(model="tts", voice="default", input="hello from the cluster").read()
+    assert wav[:4] == b"RIFF"
+    with wave.open(io.BytesIO(wav)) as audio:
+        assert (audio.getnchannels(), audio.getframerate()) == (1, 16000)
+        assert audio.getnframes() > 0
+    with client.audio.speech.with_streaming_response.create(
+        model="tts", voice="default", input="hello from the cluster", response_format="pcm", extra_body={"stream": True}
+    ) as streamed:
+        pcm = b"".join(streamed.iter_bytes())
+    assert len(pcm) == 2 * audio.getnframes()
+    for stage in ("speech-acoustic", "speech-vocoder"):
+        (proc,) = pods.processes(stage)
+        assert stage_requests(f"http://{proc.ip}:8001") == 2, stage
