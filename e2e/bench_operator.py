@@ -104,7 +104,7 @@ def main() -> int:
     with session_cluster() as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "omnimodel.io_omnimodels.yaml"))
         # The operator's default status cadence (the e2e suite uses 1 s to keep its waits short).
-        operator = Operator(cluster, Path(tempfile.mkdtemp(prefix="omnimodel-bench-")), status_interval=10.0)
+        operator = Operator(cluster, Path(tempfile.mkdtemp(prefix="omnimodel-bench-")))
         operator.start()
         try:
             singles: list[dict[str, float]] = []

@@ -32,9 +32,11 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
 class Operator:
     """`omnimodel-operator run` as a subprocess against the test cluster; stopped by PID."""
 
-    def __init__(self, cluster: ClusterHandle, log_dir: Path, status_interval: float = 1.0) -> None:
+    def __init__(self, cluster: ClusterHandle, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.cluster = cluster
-        self.status_interval = status_interval
+        # The settings users get, unless a test says otherwise and why: status truth and drift repair
+        # must hold under the shipped resync interval, not a friendlier one.
+        self.extra_env = dict(env or {})
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -49,9 +51,8 @@ class Operator:
         env = {
             **os.environ,
             "KUBECONFIG": str(self.cluster.kubeconfig),
-            # A short status cadence keeps waits short; child events make most updates immediate anyway.
-            "OMNIMODEL_STATUS_INTERVAL": str(self.status_interval),
             "OMNIMODEL_METRICS_PORT": str(self.metrics_port),
+            **self.extra_env,
         }
         with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
             self.proc = subprocess.Popen(

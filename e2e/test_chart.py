@@ -83,8 +83,12 @@ class Release:
         return json.loads(proc.stdout)
 
     def can_i(self, verb: str, resource: str, namespace: str | None = None) -> bool:
+        """``resource`` may name a subresource as ``omnimodels.omnimodel.io/status`` (kubectl would read
+        the part after the slash as an object name)."""
         ns = ["-n", namespace] if namespace else []
-        proc = self.cluster.kubectl("auth", "can-i", verb, resource, f"--as={self.account}", *ns, check=False)
+        resource, _, sub = resource.partition("/")
+        extra = [f"--subresource={sub}"] if sub else []
+        proc = self.cluster.kubectl("auth", "can-i", verb, resource, *extra, f"--as={self.account}", *ns, check=False)
         answer = proc.stdout.strip()
         assert answer in ("yes", "no"), proc.stderr
         return answer == "yes"
@@ -111,7 +115,7 @@ def release(cluster: ClusterHandle) -> Iterator[Release]:
     try:
         out = rel.helm(
             "install", RELEASE, str(CHART), "--wait", "--timeout=120s",
-            f"--set=watchNamespaces={{{rel.watched}}}", "--set=operator.statusInterval=1",
+            f"--set=watchNamespaces={{{rel.watched}}}",
         ).stdout  # fmt: skip
         # NOTES tell the user what to apply next, in the namespace the operator watches.
         assert f"kubectl apply -n {rel.watched} -f examples/text-tiny.yaml" in out
@@ -141,20 +145,22 @@ def test_install_creates_the_operator_objects(release: Release) -> None:
 
 
 NEEDED_IN_WATCHED = [
-    ("list", "omnimodels.omnimodel.io"), ("watch", "omnimodels.omnimodel.io"), ("get", "omnimodels.omnimodel.io"),
-    ("patch", "omnimodels.omnimodel.io"), ("patch", "omnimodels.omnimodel.io/status"),
+    ("list", "omnimodels.omnimodel.io"), ("watch", "omnimodels.omnimodel.io"),
+    ("patch", "omnimodels.omnimodel.io/status"),
     ("create", "deployments.apps"), ("patch", "deployments.apps"), ("list", "deployments.apps"),
-    ("watch", "deployments.apps"), ("delete", "deployments.apps"),
-    ("create", "configmaps"), ("patch", "services"), ("delete", "services"),
-    ("create", "horizontalpodautoscalers.autoscaling"), ("delete", "poddisruptionbudgets.policy"),
-    ("patch", "networkpolicies.networking.k8s.io"), ("list", "pods"), ("create", "events"),
+    ("watch", "deployments.apps"), ("get", "deployments.apps"), ("delete", "deployments.apps"),
+    ("create", "configmaps"), ("patch", "services"), ("delete", "services"), ("create", "serviceaccounts"),
+    ("watch", "serviceaccounts"), ("create", "horizontalpodautoscalers.autoscaling"),
+    ("delete", "poddisruptionbudgets.policy"), ("patch", "networkpolicies.networking.k8s.io"),
+    ("list", "pods"), ("watch", "pods"), ("create", "events"),
 ]  # fmt: skip
 DENIED_IN_WATCHED = [
     ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),  # the gateway only names its key Secret
-    ("create", "pods"), ("delete", "pods"), ("create", "pods/exec"),
+    ("create", "pods"), ("delete", "pods"), ("create", "pods/exec"), ("get", "pods"),
     ("delete", "omnimodels.omnimodel.io"), ("create", "omnimodels.omnimodel.io"),  # users own their CRs
-    ("update", "deployments.apps"), ("get", "deployments.apps"),  # apply is a PATCH; state comes from lists
-    ("create", "serviceaccounts"), ("create", "roles.rbac.authorization.k8s.io"),
+    ("patch", "omnimodels.omnimodel.io"), ("get", "omnimodels.omnimodel.io"),  # status only; reads are watched
+    ("update", "deployments.apps"),  # apply is a PATCH
+    ("create", "serviceaccounts/token"), ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "jobs.batch"), ("list", "leases.coordination.k8s.io"),
 ]  # fmt: skip
 DENIED_CLUSTER = [
@@ -302,13 +308,13 @@ def test_upgrade_rolls_the_operator_and_can_switch_to_cluster_wide(release: Rele
     before = release.get("deployment", FULLNAME, "-n", release.namespace)
     release.helm(
         "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s",
-        "--set=operator.statusInterval=5", "--set=podAnnotations.rollout=second",
+        "--set=operator.resyncInterval=300", "--set=podAnnotations.rollout=second",
     )  # fmt: skip
     after = release.get("deployment", FULLNAME, "-n", release.namespace)
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
     (container,) = after["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["OMNIMODEL_STATUS_INTERVAL"] == "5"
+    assert env["OMNIMODEL_RESYNC_INTERVAL"] == "300"
     assert env["OMNIMODEL_NAMESPACES"] == "[]"
     assert after["spec"]["template"]["metadata"]["annotations"] == {"rollout": "second"}
 

@@ -38,10 +38,12 @@ def test_every_example_applies_and_becomes_ready(kube: Kube, path: Path) -> None
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
     kube.wait_ready(name)
     table = kube.run("get", "omni", name).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "STAGES", "ENDPOINT", "AGE"]
+    assert table[0].split() == ["NAME", "READY", "REASON", "STAGES", "OBSERVED", "ENDPOINT", "AGE"]
     row = table[1].split()
     stages = len(kube.get("omnimodel", name)["status"]["stages"])
-    assert row[:4] == [name, "True", f"{stages}/{stages}", f"http://{name}-gateway.{kube.ns}.svc:8000"]
+    assert row[:6] == [
+        name, "True", "AllStagesReady", f"{stages}/{stages}", "1", f"http://{name}-gateway.{kube.ns}.svc:8000",
+    ]  # fmt: skip
 
 
 def test_stages_land_on_the_requested_accelerators(kube: Kube) -> None:
@@ -165,11 +167,26 @@ def test_deleting_the_omnimodel_garbage_collects_everything(kube: Kube) -> None:
         wait_for(lambda kind=kind: not kube.get(kind, selector=selector)["items"], 60, what=f"{kind} collected")
 
 
-def test_operator_restart_mid_reconcile_creates_no_duplicates(kube: Kube, operator: Operator) -> None:
+def test_operator_killed_with_a_half_applied_graph_converges_without_duplicates(kube: Kube, operator: Operator) -> None:
+    """A ResourceQuota lets only two Deployments in, so the operator is certainly mid-graph (some
+    children applied, the rest refused) when it is SIGKILLed; after the quota goes and the operator
+    restarts, the graph converges with exactly one of each child."""
+    kube.apply(
+        {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "two-deployments"},
+         "spec": {"hard": {"count/deployments.apps": "2"}}}
+    )  # fmt: skip
     kube.apply(example("qwen-omni.yaml"))
-    # kill as soon as the first child exists, i.e. while it is still applying the rest
-    wait_for(lambda: kube.get("configmap", "qwen-omni-pipeline"), 30, what="first child")
+
+    def refused() -> dict[str, Any] | None:
+        c = kube.condition("qwen-omni")
+        return c if c and c["reason"] == "ReconcileError" else None
+
+    # The API server's own words, naming the refused child, reach status.
+    message = wait_for(refused, 60, what="Ready=False/ReconcileError")["message"]
+    assert "exceeded quota: two-deployments" in message and "Deployment" in message, message
+    assert len(kube.get("deployments")["items"]) == 2
     operator.kill()
+    kube.run("delete", "resourcequota", "two-deployments")
     operator.start()
     kube.wait_ready("qwen-omni")
     deployments = kube.get("deployments", selector="app.kubernetes.io/instance=qwen-omni")["items"]
@@ -198,24 +215,25 @@ def test_metrics_count_the_passes_that_made_an_omnimodel_ready(kube: Kube, opera
     kube.run("apply", "-f", str(REPO / "examples" / "text-tiny.yaml"))
     kube.wait_ready("text-tiny")
 
-    def resynced() -> str | None:
-        # The gauge comes from the periodic resync pass (1 s here), which may not have run since Ready.
+    def counted() -> str | None:
+        # The gauge follows each pass; the pass that wrote Ready=True may still be finishing.
         text = operator.scrape()
         ready = metric_values(text, "omnimodel_operator_omnimodels")
         return text if ready[frozenset({("ready", "True")})] >= 1 else None
 
-    text: str = wait_for(resynced, 30, what="a resync pass counting a Ready OmniModel")
+    text: str = wait_for(counted, 30, what="a pass counting a Ready OmniModel")
     passes = metric_values(text, "omnimodel_operator_reconciles_total")
     ok = {dict(labels)["trigger"]: v for labels, v in passes.items() if dict(labels)["result"] == "ok"}
-    # Created (spec), then refreshed as its Deployments rolled out (child events) and periodically.
-    assert ok["spec"] > 0 and ok["child_event"] > 0 and ok["resync"] > 0, passes
+    # Created (an OmniModel event), then followed as its Deployments and pods rolled out (child events).
+    assert ok["omnimodel"] > 0 and ok["child"] > 0, passes
     durations = metric_values(text, "omnimodel_operator_reconcile_duration_seconds_count")
-    assert durations[frozenset({("trigger", "spec")})] > 0
-    writes: dict[str, float] = {}
-    for labels, v in metric_values(text, "omnimodel_operator_api_writes_total").items():
-        writes[dict(labels)["verb"]] = writes.get(dict(labels)["verb"], 0) + v
-    # Its children were applied, its status written, and Ready announced by an Event.
-    assert writes["apply"] > 0 and writes["status"] > 0 and writes["event"] > 0, writes
+    assert durations[frozenset({("trigger", "omnimodel")})] > 0
+    requests: dict[str, float] = {}
+    for labels, v in metric_values(text, "omnimodel_operator_api_requests_total").items():
+        requests[dict(labels)["verb"]] = requests.get(dict(labels)["verb"], 0) + v
+    # Its children were looked up (name conflicts) and applied, its status written, Ready announced.
+    assert requests["get"] > 0 and requests["apply"] > 0 and requests["status"] > 0 and requests["event"] > 0
+    assert "list" not in requests, requests  # every other read came from the watch-fed cache
 
 
 # ------------------------------------------------------------------------------------------ CEL rules
@@ -310,26 +328,41 @@ def test_api_server_rejects_invalid_objects(kube: Kube, case: str, doc: dict[str
 
 
 class CountingKube:
-    """The real client, counting every call that writes."""
+    """The real client, counting every call."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.writes: list[str] = []
+        self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
-        if name in ("apply", "delete", "patch_status", "create"):
+        if name in ("apply", "delete", "patch_status", "create", "get", "list"):
 
             async def counted(*args: Any, **kwargs: Any) -> Any:
-                self.writes.append(name)
+                self.calls.append(name)
                 return await attr(*args, **kwargs)
 
             return counted
         return attr
 
 
-async def test_noop_reconcile_makes_no_api_writes_against_the_real_server(kube: Kube) -> None:
-    """Server defaulting and omitempty must not make every pass re-apply (DESIGN §8: writes = 0)."""
+async def listed(client: Any, namespace: str, name: str) -> Any:
+    """What the operator's watch-fed cache holds for one OmniModel, read with LISTs instead."""
+    from omnimodel_operator.builders import CHILD_KINDS
+    from omnimodel_operator.naming import owned_selector
+    from omnimodel_operator.reconcile import Observed
+
+    selector = owned_selector(name)
+    objects = {}
+    for api_version, kind in CHILD_KINDS:
+        for obj in await client.list(api_version, kind, namespace, selector):
+            objects[(kind, obj["metadata"]["name"])] = obj
+    return Observed(objects=objects, pods=await client.list("v1", "Pod", namespace, selector))
+
+
+async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube: Kube) -> None:
+    """Server defaulting, omitempty and normalised quantities must not make a pass re-apply
+    (DESIGN §8: writes = 0); with the cache current, a pass sends no request at all."""
     from omnimodel_operator.kube import HttpKube, load_connection
     from omnimodel_operator.reconcile import reconcile
     from omnimodel_operator.settings import OperatorSettings
@@ -344,8 +377,9 @@ async def test_noop_reconcile_makes_no_api_writes_against_the_real_server(kube: 
         for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
             body = await client.get("omnimodel.io/v1alpha1", "OmniModel", kube.ns, name)
             assert body is not None
-            outcome = await reconcile(counting, body, OperatorSettings())
+            observed = await listed(client, kube.ns, name)
+            outcome = await reconcile(counting, body, observed, OperatorSettings())
             assert outcome.applied == [], name
     finally:
         await client.aclose()
-    assert counting.writes == []
+    assert counting.calls == []

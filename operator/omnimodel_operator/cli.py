@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,11 +48,12 @@ def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: O
 def _run(args: argparse.Namespace) -> int:
     import kopf  # noqa: PLC0415
 
-    from omnimodel_operator import handlers  # noqa: PLC0415  (importing registers the handlers)
+    from omnimodel_operator import handlers  # noqa: F401, PLC0415  (importing registers the handlers)
 
     namespaces = args.namespace or OperatorSettings().namespaces
-    handlers.watch_namespaces(namespaces)
     kopf.configure(verbose=args.verbose)
+    # httpx logs every request at INFO: the operator logs what it changed, not each round trip.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,

@@ -14,13 +14,29 @@ CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED)
 # Reasons (UpperCamelCase), most severe first; the summary Ready reason is the first that applies.
 INVALID_SPEC: Final = "InvalidSpec"
 INSUFFICIENT_CAPACITY: Final = "InsufficientCapacity"
+PROGRESS_DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 UPDATING: Final = "Updating"
 PODS_NOT_READY: Final = "PodsNotReady"
 RECONCILE_ERROR: Final = "ReconcileError"
+NAME_CONFLICT: Final = "NameConflict"
 ALL_READY: Final = "AllStagesReady"
+STAGES_SCALED_TO_ZERO: Final = "StagesScaledToZero"
 ROLLOUT_COMPLETE: Final = "RolloutComplete"
 AS_EXPECTED: Final = "AsExpected"
-REASON_PRIORITY: Final = (INVALID_SPEC, RECONCILE_ERROR, INSUFFICIENT_CAPACITY, UPDATING, PODS_NOT_READY)
+REASON_PRIORITY: Final = (
+    INVALID_SPEC,
+    NAME_CONFLICT,
+    RECONCILE_ERROR,
+    INSUFFICIENT_CAPACITY,
+    PROGRESS_DEADLINE_EXCEEDED,
+    UPDATING,
+    PODS_NOT_READY,
+)
+
+# Per-component reasons in status.stages[].reason (and status.gateway.reason), beside the ones above.
+STAGE_READY: Final = "Ready"
+SCALED_TO_ZERO: Final = "ScaledToZero"
+CAPACITY_LOST: Final = "CapacityLost"
 
 
 def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:

@@ -30,6 +30,8 @@ MANAGED_BY: Final = "omnimodel-operator"
 COMPONENT_STAGE: Final = "stage"
 COMPONENT_GATEWAY: Final = "gateway"
 COMPONENT_PIPELINE: Final = "pipeline"
+# The per-OmniModel ServiceAccount every runtime pod runs as (no API token mounted).
+COMPONENT_RUNTIME: Final = "runtime"
 
 # Hash of the rendered pipeline file on the pod template: a changed graph rolls the pods.
 ANNOTATION_PIPELINE_HASH: Final = "omnimodel.io/pipeline-hash"

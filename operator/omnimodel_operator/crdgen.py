@@ -27,10 +27,30 @@ PRINTER_COLUMNS: Final = [
         "description": "Every stage and the gateway are rolled out and available.",
     },
     {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+        "description": "Why Ready is what it is (AllStagesReady, Updating, InsufficientCapacity, ...).",
+    },
+    {
         "name": "Stages",
         "type": "string",
         "jsonPath": ".status.readyStages",
         "description": "Ready stages over total.",
+    },
+    {
+        "name": "Generation",
+        "type": "integer",
+        "jsonPath": ".metadata.generation",
+        "description": "The spec's generation.",
+        "priority": 1,
+    },
+    {
+        "name": "Observed",
+        "type": "integer",
+        "jsonPath": ".status.observedGeneration",
+        "description": "The generation the status describes: behind Generation, the status is stale "
+        "(the operator has not reconciled the latest spec, or is not running).",
     },
     {
         "name": "Endpoint",
@@ -67,7 +87,7 @@ def _resolve(node: Any, defs: Mapping[str, Any]) -> Any:
             out[key] = _resolve(value, defs)
     if "default" in node and node["default"] is not None and "description" in out:
         default = node["default"]
-        if not isinstance(default, (dict, list)) and "Default" not in out["description"]:
+        if not isinstance(default, (dict, list)) and default != "" and "Default" not in out["description"]:
             out["description"] = f"{out['description']} Default: {default}."
     if out.get("type") == "object" and out.get("additionalProperties") is True:
         del out["additionalProperties"]

@@ -1,25 +1,21 @@
-"""Kubernetes access behind a small interface: a real async client and an in-memory fake.
+"""Kubernetes writes (and the few reads the watch-fed cache cannot answer) behind a small interface.
 
-The reconcile needs six verbs on a handful of kinds; a thin client over the REST API (server-side
-apply, list by label, delete, status patch, events) keeps it fully async and lets component tests run
-the same reconcile against :class:`FakeKube`, which models what matters for an operator: SSA field
-ownership, generations, label selection and owner-reference garbage collection.
+Watching is kopf's job (its watch streams feed the controller's cache); what is left is six verbs on a
+handful of kinds: server-side apply, get, list, delete, a status patch and Events. A thin async client
+over the REST API does exactly that, and component tests run the same reconcile against the in-memory
+fake in ``tests/support``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import copy
-import itertools
 import json
 import os
 import ssl
 import tempfile
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -35,6 +31,7 @@ RESOURCES: Final[Mapping[tuple[str, str], tuple[str, bool]]] = {
     ("v1", "Pod"): ("pods", True),
     ("v1", "Event"): ("events", True),
     ("v1", "Secret"): ("secrets", True),
+    ("v1", "ServiceAccount"): ("serviceaccounts", True),
     ("apps/v1", "Deployment"): ("deployments", True),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
@@ -238,176 +235,3 @@ class HttpKube:
             content=json.dumps(manifest),
             headers={"Content-Type": "application/json"},
         )
-
-
-# ----------------------------------------------------------------------------------------- fake client
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _leaves(obj: Any, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
-    """Field paths an applied manifest sets; lists count as one atomic field, as in SSA's defaults."""
-    if isinstance(obj, dict) and obj:
-        out: set[tuple[str, ...]] = set()
-        for key, value in obj.items():
-            out |= _leaves(value, (*prefix, key))
-        return out
-    return {prefix}
-
-
-def _remove(obj: dict[str, Any], path: tuple[str, ...]) -> None:
-    node: Any = obj
-    for key in path[:-1]:
-        if not isinstance(node, dict) or key not in node:
-            return
-        node = node[key]
-    if isinstance(node, dict):
-        node.pop(path[-1], None)
-
-
-def _merge(base: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-class FakeKube:
-    """In-memory API server for component tests.
-
-    Models: server-side apply with per-manager field ownership (fields a manager stops applying are
-    removed), ``metadata.generation`` bumped on spec changes, label selection, status patches, and
-    foreground-free garbage collection of children whose controller owner is deleted. Counts every
-    write so tests can assert that a no-op reconcile writes nothing.
-    """
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str, str, str], Manifest] = {}
-        self.owned: dict[tuple[str, str, str, str], dict[str, set[tuple[str, ...]]]] = {}
-        self.writes: list[tuple[str, str, str]] = []
-        self.fail_next: list[ApiError] = []
-        self._rv = itertools.count(1)
-
-    # helpers for tests -----------------------------------------------------------------------
-    def key(self, manifest: Manifest) -> tuple[str, str, str, str]:
-        meta = manifest["metadata"]
-        return (manifest["apiVersion"], manifest["kind"], meta.get("namespace", ""), meta["name"])
-
-    def find(self, kind: str, name: str, namespace: str | None = None) -> Manifest | None:
-        for (_, k, ns, n), obj in self.objects.items():
-            if k == kind and n == name and (namespace is None or ns == namespace):
-                return obj
-        return None
-
-    def of_kind(self, kind: str) -> list[Manifest]:
-        return [o for (_, k, _, _), o in sorted(self.objects.items()) if k == kind]
-
-    def put(self, manifest: Manifest) -> Manifest:
-        """Create an object as a user would (kubectl create); returns the stored copy."""
-        obj = copy.deepcopy(manifest)
-        meta = obj.setdefault("metadata", {})
-        if "name" not in meta and "generateName" in meta:
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        meta.setdefault("namespace", "default")
-        meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("generation", 1)
-        meta.setdefault("creationTimestamp", _now())
-        meta["resourceVersion"] = str(next(self._rv))
-        self.objects[self.key(obj)] = obj
-        return copy.deepcopy(obj)
-
-    def set_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """What a controller (or kubelet) would report."""
-        obj = self.find(kind, name, namespace)
-        assert obj is not None, f"{kind} {namespace}/{name} not found"
-        obj["status"] = copy.deepcopy(dict(status))
-        obj["metadata"]["resourceVersion"] = str(next(self._rv))
-
-    def _check_fail(self) -> None:
-        if self.fail_next:
-            raise self.fail_next.pop(0)
-
-    # KubeClient ------------------------------------------------------------------------------
-    async def apply(self, manifest: Manifest, field_manager: str) -> Manifest:
-        self._check_fail()
-        key = self.key(manifest)
-        self.writes.append(("apply", manifest["kind"], manifest["metadata"]["name"]))
-        new_fields = _leaves({k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")})
-        live = self.objects.get(key)
-        owners = self.owned.setdefault(key, {})
-        if live is None:
-            stored = self.put(manifest)
-            owners[field_manager] = new_fields
-            return stored
-        base = copy.deepcopy(live)
-        others = set().union(*(f for m, f in owners.items() if m != field_manager))
-        for path in owners.get(field_manager, set()) - new_fields - others:
-            _remove(base, path)
-        merged = _merge(base, manifest)
-        owners[field_manager] = new_fields
-        if merged.get("spec") != live.get("spec"):
-            merged["metadata"]["generation"] = live["metadata"].get("generation", 1) + 1
-        if merged != live:
-            merged["metadata"]["resourceVersion"] = str(next(self._rv))
-            self.objects[key] = merged
-        return copy.deepcopy(self.objects[key])
-
-    async def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
-        self._check_fail()
-        out = []
-        for (av, k, ns, _), obj in sorted(self.objects.items()):
-            obj_labels = obj["metadata"].get("labels") or {}
-            if (
-                (av, k) == (api_version, kind)
-                and namespace in ("", ns)
-                and all(obj_labels.get(lk) == lv for lk, lv in labels.items())
-            ):
-                out.append(copy.deepcopy(obj))
-        return out
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
-        self._check_fail()
-        obj = self.objects.get((api_version, kind, namespace, name))
-        return copy.deepcopy(obj) if obj else None
-
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self._check_fail()
-        self.writes.append(("delete", kind, name))
-        self.remove(api_version, kind, namespace, name)
-
-    def remove(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        """Delete and garbage-collect dependents, as the controller-manager's GC would."""
-        obj = self.objects.pop((api_version, kind, namespace, name), None)
-        self.owned.pop((api_version, kind, namespace, name), None)
-        if obj is None:
-            return
-        uid = obj["metadata"]["uid"]
-        for key, child in list(self.objects.items()):
-            refs = child["metadata"].get("ownerReferences") or []
-            if any(r.get("uid") == uid for r in refs):
-                self.remove(*key)
-
-    async def patch_status(
-        self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]
-    ) -> Manifest:
-        self._check_fail()
-        self.writes.append(("status", kind, name))
-        obj = self.objects.get((api_version, kind, namespace, name))
-        if obj is None:
-            raise ApiError(404, "NotFound", f"{kind} {namespace}/{name} not found")
-        # merge-patch semantics: None deletes a key
-        merged = _merge(obj.get("status") or {}, status)
-        obj["status"] = {k: v for k, v in merged.items() if v is not None}
-        obj["metadata"]["resourceVersion"] = str(next(self._rv))
-        return copy.deepcopy(obj)
-
-    async def create(self, manifest: Manifest) -> Manifest:
-        self._check_fail()
-        meta = manifest["metadata"]
-        self.writes.append(("create", manifest["kind"], meta.get("name") or meta.get("generateName", "")))
-        return self.put(manifest)

@@ -1,10 +1,12 @@
-"""Prometheus metrics of the operator: reconcile passes and their duration, API writes, OmniModels by Ready.
+"""Prometheus metrics of the operator: reconcile passes and their duration, the work queue, API
+requests (reads and writes), OmniModels by Ready.
 
 :class:`OperatorMetrics` owns its ``CollectorRegistry`` (not the global one), so tests build their own
-and read exact values, and nothing a library registers globally leaks into ``/metrics``. Writes are
-counted by :class:`CountingKube`, a :class:`~omnimodel_operator.kube.KubeClient` wrapper, so that
-:func:`~omnimodel_operator.reconcile.reconcile` stays free of instrumentation. Metric names and label
-values are a contract with dashboards and alerts: change them only with both.
+and read exact values, and nothing a library registers globally leaks into ``/metrics``. Requests are
+counted by :class:`InstrumentedKube`, a :class:`~omnimodel_operator.kube.KubeClient` wrapper, so that
+:func:`~omnimodel_operator.reconcile.reconcile` stays free of instrumentation. kopf's own watch streams
+are not counted here (they are long-lived GETs, one per watched kind and namespace). Metric names and
+label values are a contract with dashboards and alerts: change them only with both.
 """
 
 from __future__ import annotations
@@ -23,18 +25,32 @@ from omnimodel_operator import conditions as cond
 from omnimodel_operator.kube import ApiError, KubeClient, Manifest
 from omnimodel_operator.reconcile import Outcome
 
-__all__ = ["CountingKube", "MetricsServer", "OperatorMetrics", "ReconcilePass", "Result", "Trigger", "ready_counts"]
+__all__ = [
+    "InstrumentedKube",
+    "MetricsServer",
+    "OperatorMetrics",
+    "ReconcilePass",
+    "Result",
+    "Trigger",
+    "ready_counts",
+    "ready_of",
+]
 
-# What started a pass: a spec change (create/update/resume), the periodic resync, or a child Deployment event.
-Trigger = Literal["spec", "resync", "child_event"]
-# How it ended. not_found: the OmniModel was deleted while we worked; error: a bug, not the API server.
-Result = Literal["ok", "invalid_spec", "not_found", "api_error", "error"]
-# A KubeClient write as the API server sees it; `status` is the status subresource, `event` an Event.
-Verb = Literal["apply", "delete", "status", "event", "create"]
+# What queued a pass: an event on the OmniModel, an event on one of its children or pods, the periodic
+# safety-net pass, or a retry after a failure.
+Trigger = Literal["omnimodel", "child", "resync", "retry"]
+# How it ended. apply_error: the API server refused a child (status says which); name_conflict: a child's
+# name is taken; not_found: the OmniModel was deleted while we worked; api_error: status could not be
+# written; error: a bug, not the API server.
+Result = Literal["ok", "invalid_spec", "apply_error", "name_conflict", "not_found", "api_error", "error"]
+# A KubeClient request; `status` is the status subresource, `event` an Event. get/list are the only reads:
+# everything else the operator reads comes from its watch-fed cache.
+Verb = Literal["apply", "delete", "status", "event", "create", "get", "list"]
+WRITE_VERBS: Final = ("apply", "delete", "status", "event", "create")
 # The values of the Ready condition; Unknown also covers an OmniModel no pass has written status for yet.
 ReadyStatus = Literal["True", "False", "Unknown"]
 
-# A no-op pass is ~3 list calls (milliseconds); a first apply of a big pipeline is ~15 writes through
+# A no-op pass reads the cache only (sub-millisecond); a first apply of a big pipeline is ~15 writes through
 # a queue shared with every other reconcile, which can take seconds under load.
 _DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -46,7 +62,14 @@ class ReconcilePass:
     result: Result = "ok"
 
     def finished(self, outcome: Outcome) -> None:
-        self.result = "invalid_spec" if outcome.invalid is not None else "ok"
+        if outcome.invalid is not None:
+            self.result = "invalid_spec"
+        elif outcome.conflicts:
+            self.result = "name_conflict"
+        elif outcome.errors:
+            self.result = "apply_error"
+        else:
+            self.result = "ok"
 
 
 class OperatorMetrics:
@@ -62,21 +85,26 @@ class OperatorMetrics:
         )
         self.reconcile_duration = Histogram(
             "omnimodel_operator_reconcile_duration_seconds",
-            "Duration of one reconcile pass (lock wait excluded), by what started it",
+            "Duration of one reconcile pass (time queued excluded), by what started it",
             ["trigger"],
             buckets=_DURATION_BUCKETS,
             registry=self.registry,
         )
-        self.api_writes = Counter(
-            "omnimodel_operator_api_writes",
-            "Writes the API server accepted from reconcile passes, by verb and kind; "
-            "a steady state of level-based passes adds none",
+        self.api_requests = Counter(
+            "omnimodel_operator_api_requests",
+            "Requests to the API server that it answered, by verb and kind (reads are get/list: the "
+            "watch-fed cache answers the rest); a steady state adds none",
             ["verb", "kind"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "omnimodel_operator_queue_depth",
+            "OmniModels waiting in the work queue for a reconcile pass",
             registry=self.registry,
         )
         self.omnimodels = Gauge(
             "omnimodel_operator_omnimodels",
-            "OmniModels by the status of their Ready condition, as of the last resync pass",
+            "OmniModels by the status of their Ready condition, as of their last reconcile pass",
             ["ready"],
             registry=self.registry,
         )
@@ -109,8 +137,8 @@ class OperatorMetrics:
         self.reconciles.labels(trigger, result).inc()
         self.reconcile_duration.labels(trigger).observe(time.perf_counter() - started)
 
-    def api_write(self, verb: Verb, kind: str) -> None:
-        self.api_writes.labels(verb, kind).inc()
+    def api_request(self, verb: Verb, kind: str) -> None:
+        self.api_requests.labels(verb, kind).inc()
 
     def set_omnimodels(self, counts: Mapping[ReadyStatus, int]) -> None:
         """Replace every series, so a status nothing has any more drops to zero rather than going stale."""
@@ -118,20 +146,26 @@ class OperatorMetrics:
             self.omnimodels.labels(ready).set(counts.get(ready, 0))
 
 
+def ready_of(status: Mapping[str, Any] | None) -> ReadyStatus:
+    """The Ready condition's status in a ``status`` object (None: never written)."""
+    found = cond.find((status or {}).get("conditions"), cond.READY)
+    value = found.get("status") if found is not None else None
+    return "True" if value == "True" else "False" if value == "False" else "Unknown"
+
+
 def ready_counts(statuses: Iterable[Mapping[str, Any] | None]) -> dict[ReadyStatus, int]:
     """OmniModels per Ready status, from their ``status`` objects (None: never written)."""
     counts: dict[ReadyStatus, int] = dict.fromkeys(get_args(ReadyStatus), 0)
     for status in statuses:
-        found = cond.find((status or {}).get("conditions"), cond.READY)
-        value = found.get("status") if found is not None else None
-        counts["True" if value == "True" else "False" if value == "False" else "Unknown"] += 1
+        counts[ready_of(status)] += 1
     return counts
 
 
-class CountingKube:
-    """A :class:`KubeClient` that counts the writes the API server accepted; reads pass through.
+class InstrumentedKube:
+    """A :class:`KubeClient` that counts the requests the API server answered, by verb and kind.
 
-    A write that fails raises before it is counted: the pass's ``api_error`` result records it.
+    A request that fails raises before it is counted: the pass's result (and the condition it sets)
+    records it.
     """
 
     def __init__(self, inner: KubeClient, metrics: OperatorMetrics) -> None:
@@ -140,30 +174,34 @@ class CountingKube:
 
     async def apply(self, manifest: Manifest, field_manager: str) -> Manifest:
         result = await self._inner.apply(manifest, field_manager)
-        self._metrics.api_write("apply", manifest["kind"])
+        self._metrics.api_request("apply", manifest["kind"])
         return result
 
     async def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
-        return await self._inner.list(api_version, kind, namespace, labels)
+        result = await self._inner.list(api_version, kind, namespace, labels)
+        self._metrics.api_request("list", kind)
+        return result
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
-        return await self._inner.get(api_version, kind, namespace, name)
+        result = await self._inner.get(api_version, kind, namespace, name)
+        self._metrics.api_request("get", kind)
+        return result
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         await self._inner.delete(api_version, kind, namespace, name)
-        self._metrics.api_write("delete", kind)
+        self._metrics.api_request("delete", kind)
 
     async def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]
     ) -> Manifest:
         result = await self._inner.patch_status(api_version, kind, namespace, name, status)
-        self._metrics.api_write("status", kind)
+        self._metrics.api_request("status", kind)
         return result
 
     async def create(self, manifest: Manifest) -> Manifest:
         result = await self._inner.create(manifest)
         kind = manifest["kind"]
-        self._metrics.api_write("event" if kind == "Event" else "create", kind)
+        self._metrics.api_request("event" if kind == "Event" else "create", kind)
         return result
 
 

@@ -44,6 +44,10 @@ def gateway_name(cr: str) -> str:
     return dns_label(cr, C.COMPONENT_GATEWAY)
 
 
+def service_account_name(cr: str) -> str:
+    return dns_label(cr, C.COMPONENT_RUNTIME)
+
+
 def pipeline_configmap_name(cr: str) -> str:
     return dns_label(cr, C.COMPONENT_PIPELINE)
 

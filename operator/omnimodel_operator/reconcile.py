@@ -1,24 +1,34 @@
-"""The one level-based reconcile: spec → plan → apply children → prune → status from children.
+"""The one level-based reconcile: spec → plan → apply what drifted → prune → status from live objects.
 
-Idempotent: the same OmniModel and the same children produce no API writes. Called for create,
-update and resume, by the status timer and on child events; the kopf handlers only wrap it.
+Reads come from the watch-fed cache (:class:`Observed`), so a pass over an OmniModel whose children
+match costs no API request at all; writes go out only where :func:`~omnimodel_operator.drift.drift`
+finds a difference. Called by the controller for every event on an OmniModel or one of its children
+and by its periodic safety-net pass; the kopf handlers only feed the controller.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.builders import CHILD_KINDS, Manifest, render
-from omnimodel_operator.kube import KubeClient
+from omnimodel_operator.api.v1alpha1 import OmniModelStatus
+from omnimodel_operator.builders import Manifest, render
+from omnimodel_operator.drift import drift
+from omnimodel_operator.kube import ApiError, KubeClient
 from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.status import Problems, component_state, compute_status, invalid_status, status_dict
+
+Key = tuple[str, str]  # (kind, name)
 
 
 def utc_now() -> str:
@@ -26,21 +36,12 @@ def utc_now() -> str:
 
 
 @dataclass(frozen=True)
-class ComponentState:
-    """Rollout state of one Deployment (a stage or the gateway)."""
+class Observed:
+    """What the watch-fed cache holds for one OmniModel: objects carrying its instance label, by
+    (kind, name), and its pods. Ownership is checked here, not by whoever built the snapshot."""
 
-    name: str
-    desired: int = 0
-    ready: int = 0
-    updated: int = 0
-    available: int = 0
-    # None when rolled out and available; else one of conditions.REASON_PRIORITY.
-    reason: str | None = cond.UPDATING
-    message: str = ""
-
-    @property
-    def is_ready(self) -> bool:
-        return self.reason is None
+    objects: Mapping[Key, Manifest] = field(default_factory=dict)
+    pods: Sequence[Manifest] = ()
 
 
 @dataclass
@@ -49,173 +50,160 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     invalid: InvalidSpec | None = None
+    # "<Kind> <ns>/<name>: <API server message>", one per child the API server refused.
+    errors: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    # Whether any refusal may go away by itself (5xx, 429, timeouts): retry soon rather than later.
+    transient: bool = False
 
 
 def _ref(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['kind']} {manifest['metadata'].get('namespace', '')}/{manifest['metadata']['name']}"
 
 
-# Values the API server drops on the way in (Go `omitempty`), so a missing key matches them.
-_EMPTY: tuple[Any, ...] = ("", None, False, 0)
+def _key(manifest: Mapping[str, Any]) -> Key:
+    return (manifest["kind"], manifest["metadata"]["name"])
 
 
-def is_subset(want: Any, have: Any) -> bool:
-    """Every field we set is present with the same value (extra fields — defaults — are fine)."""
-    if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(
-            is_subset(v, have[k]) if k in have else _is_empty(v) for k, v in want.items()
-        )
-    if isinstance(want, list):
-        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
-    return bool(want == have)
-
-
-def _is_empty(value: Any) -> bool:
-    if isinstance(value, (Mapping, list)):
-        return not value
-    return any(value is e or (type(value) is type(e) and value == e) for e in _EMPTY)
-
-
-def needs_apply(desired: Manifest, live: Manifest | None) -> bool:
-    if live is None:
-        return True
-    ann = C.ANNOTATION_APPLIED_HASH
-    if (live["metadata"].get("annotations") or {}).get(ann) != desired["metadata"]["annotations"][ann]:
-        return True
-    return not is_subset({k: v for k, v in desired.items() if k != "status"}, live)
-
-
-def _owned_by(obj: Manifest, uid: str | None) -> bool:
+def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
 
 
-def _unschedulable(pods: Iterable[Manifest]) -> str | None:
-    for pod in pods:
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-                return str(c.get("message") or "pod cannot be scheduled")
-    return None
+def _controller_of(obj: Mapping[str, Any]) -> str:
+    ref = next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    if ref is None:
+        return "it is not managed by this OmniModel"
+    if ref.get("kind") == C.KIND:
+        return f"it belongs to OmniModel {ref.get('name')} (uid {ref.get('uid')})"
+    return f"it is controlled by {ref.get('kind')} {ref.get('name')}"
 
 
-def _waiting_reason(pods: Iterable[Manifest]) -> str | None:
-    """A container stuck waiting (ImagePullBackOff, CrashLoopBackOff) explains a not-ready stage best."""
-    for pod in pods:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting")
-            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
-                return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
-    return None
+def parse_status(raw: Mapping[str, Any] | None) -> OmniModelStatus:
+    """The status as last written; a status no model can read (hand-edited) counts as empty."""
+    try:
+        return OmniModelStatus.model_validate(raw or {})
+    except ValidationError:
+        return OmniModelStatus()
 
 
-def component_state(name: str, deployment: Manifest | None, pods: Sequence[Manifest]) -> ComponentState:
-    if deployment is None:
-        return ComponentState(name, reason=cond.UPDATING, message=f"{name}: Deployment not created yet")
-    spec = deployment.get("spec") or {}
-    status = deployment.get("status") or {}
-    desired = int(spec.get("replicas", 1))
-    ready = int(status.get("readyReplicas", 0))
-    updated = int(status.get("updatedReplicas", 0))
-    available = int(status.get("availableReplicas", 0))
-    total = int(status.get("replicas", 0))
-    generation = deployment["metadata"].get("generation", 0)
-    observed = int(status.get("observedGeneration", 0))
-    base = ComponentState(name, desired, ready, updated, available)
-    if observed >= generation and updated == desired and available == desired and total == desired:
-        return ComponentState(name, desired, ready, updated, available, reason=None)
-    unschedulable = _unschedulable(pods)
-    if unschedulable:
-        return ComponentState(
-            name, desired, ready, updated, available, cond.INSUFFICIENT_CAPACITY,
-            f"{name}: pods cannot be scheduled: {unschedulable}",
-        )  # fmt: skip
-    if observed < generation or updated < desired or total > desired:
-        return ComponentState(
-            name, desired, ready, updated, available, cond.UPDATING,
-            f"{name}: rolling out, {updated}/{desired} updated, {available}/{desired} available",
-        )  # fmt: skip
-    waiting = _waiting_reason(pods)
-    detail = f" ({waiting})" if waiting else ""
-    return ComponentState(
-        base.name, desired, ready, updated, available, cond.PODS_NOT_READY,
-        f"{name}: {available}/{desired} pods available{detail}",
-    )  # fmt: skip
+async def _conflicts(client: KubeClient, missing: Sequence[Manifest], uid: str | None) -> list[str]:
+    """Children the cache does not show as ours may still exist under another owner (a name collision
+    between two OmniModels, or an object someone created by hand): look before taking anything over."""
+
+    async def one(manifest: Manifest) -> str | None:
+        meta = manifest["metadata"]
+        live = await client.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        if live is None or owned_by(live, uid):
+            return None
+        return f"{_ref(manifest)} exists and {_controller_of(live)}"
+
+    found = await asyncio.gather(*(one(m) for m in missing))
+    return [f for f in found if f is not None]
 
 
-def _accelerator_text(plan: Plan, stage: str) -> str:
-    acc = plan.pipeline.stage(stage).accelerator
-    if acc.count == 0:
-        return "cpu"
-    return f"{acc.count}x {acc.vendor.value}" + (f" {acc.product}" if acc.product else "")
+def _failure(manifest: Mapping[str, Any], err: ApiError, outcome: Outcome) -> None:
+    outcome.errors.append(f"{_ref(manifest)}: {err.message or err.reason or err.status}")
+    outcome.transient = outcome.transient or err.transient
 
 
-def compute_status(
+async def _apply_children(
+    client: KubeClient, desired: Sequence[Manifest], live: Mapping[Key, Manifest], outcome: Outcome
+) -> dict[Key, Manifest]:
+    """Apply what drifted; children the API server refuses are recorded, and the others still converge."""
+    current: dict[Key, Manifest] = {}
+
+    async def apply(manifest: Manifest) -> None:
+        key = _key(manifest)
+        if drift(manifest, live.get(key)) is None:
+            current[key] = live[key]
+            return
+        try:
+            current[key] = await client.apply(manifest, C.FIELD_MANAGER)
+        except ApiError as err:
+            _failure(manifest, err, outcome)
+            return
+        outcome.applied.append(_ref(manifest))
+
+    # The ConfigMap first: pods that mount it should never start before it exists.
+    await apply(desired[0])
+    await asyncio.gather(*(apply(m) for m in desired[1:]))
+    outcome.applied.sort()
+    return current
+
+
+async def _prune(client: KubeClient, stale: Sequence[Manifest], outcome: Outcome) -> None:
+    async def delete(obj: Manifest) -> None:
+        try:
+            await client.delete(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        except ApiError as err:
+            _failure(obj, err, outcome)
+            return
+        outcome.deleted.append(_ref(obj))
+
+    await asyncio.gather(*(delete(o) for o in stale))
+    outcome.deleted.sort()
+
+
+def _matches(obj: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _status(
     plan: Plan,
-    stage_states: Sequence[ComponentState],
-    gateway: ComponentState,
-    old: Mapping[str, Any],
+    current: Mapping[Key, Manifest],
+    pods: Sequence[Manifest],
+    old: OmniModelStatus,
     generation: int | None,
     now: str,
-) -> dict[str, Any]:
-    """Roll child state up into conditions; pure, so every transition is unit-testable."""
-    components = [*stage_states, gateway]
-    not_ready = [c for c in components if not c.is_ready]
-    conditions = old.get("conditions")
-    if not not_ready:
-        conditions = cond.set_condition(
-            conditions, cond.READY, True, cond.ALL_READY,
-            f"{len(stage_states)} stage(s) and the gateway are available", generation, now,
-        )  # fmt: skip
-    else:
-        worst = min(not_ready, key=lambda c: cond.REASON_PRIORITY.index(c.reason or cond.UPDATING))
-        conditions = cond.set_condition(
-            conditions, cond.READY, False, worst.reason or cond.UPDATING,
-            "; ".join(c.message for c in not_ready), generation, now,
-        )  # fmt: skip
-    updating = [c for c in components if c.reason == cond.UPDATING]
-    conditions = cond.set_condition(
-        conditions, cond.PROGRESSING, bool(updating),
-        cond.UPDATING if updating else cond.ROLLOUT_COMPLETE,
-        "; ".join(c.message for c in updating) or "every stage runs the current spec", generation, now,
-    )  # fmt: skip
-    degraded = [c for c in components if c.reason in (cond.INSUFFICIENT_CAPACITY, cond.PODS_NOT_READY)]
-    conditions = cond.set_condition(
-        conditions, cond.DEGRADED, bool(degraded),
-        degraded[0].reason or "" if degraded else cond.AS_EXPECTED,
-        "; ".join(c.message for c in degraded), generation, now,
-    )  # fmt: skip
-    stages = [
-        {
-            "name": s.name,
-            "replicas": s.desired,
-            "readyReplicas": s.ready,
-            "updatedReplicas": s.updated,
-            "availableReplicas": s.available,
-            "accelerator": _accelerator_text(plan, s.name),
-            "service": f"http://{naming.stage_name(plan.name, s.name)}.{plan.namespace}.svc:{C.STAGE_PORT}",
-            "message": "" if s.is_ready else s.message,
-        }
-        for s in stage_states
-    ]
-    ready_count = sum(1 for s in stage_states if s.is_ready)
-    return {
-        "observedGeneration": generation,
-        "conditions": conditions,
-        "stages": stages,
-        "readyStages": f"{ready_count}/{len(stage_states)}",
-        "endpoint": plan.endpoint,
-    }
+    problems: Problems,
+) -> OmniModelStatus:
+    stages = []
+    hpas: dict[str, Manifest] = {}
+    for sp in plan.stages:
+        name = naming.stage_name(plan.name, sp.stage.name)
+        mine = [p for p in pods if _matches(p, naming.stage_selector(plan.name, sp.stage.name))]
+        stages.append(component_state(sp.stage.name, current.get(("Deployment", name)), mine))
+        hpa = current.get(("HorizontalPodAutoscaler", name))
+        if hpa is not None:
+            hpas[sp.stage.name] = hpa
+    gateway_pods = [p for p in pods if _matches(p, naming.gateway_selector(plan.name))]
+    gateway = component_state("gateway", current.get(("Deployment", naming.gateway_name(plan.name))), gateway_pods)
+    return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
 
 
-def invalid_status(err: InvalidSpec, old: Mapping[str, Any], generation: int | None, now: str) -> dict[str, Any]:
-    """Ready=False/InvalidSpec; children and the last good stage status are left as they were."""
-    conditions = cond.set_condition(
-        old.get("conditions"), cond.READY, False, cond.INVALID_SPEC, str(err), generation, now
-    )
-    conditions = cond.set_condition(
-        conditions, cond.PROGRESSING, False, cond.INVALID_SPEC, "nothing applied: the spec is invalid",
-        generation, now,
-    )  # fmt: skip
-    return {**old, "observedGeneration": generation, "conditions": conditions}
+async def write_status(
+    client: KubeClient, body: Mapping[str, Any], old: Mapping[str, Any], new: Mapping[str, Any], now: str
+) -> bool:
+    """Patch status if it changed; post one Event when Ready's status or reason changed. True if written."""
+    if new == old:
+        return False
+    meta = body["metadata"]
+    patch = {**new, **{k: None for k in old if k not in new}}
+    await client.patch_status(C.API_VERSION, C.KIND, meta["namespace"], meta["name"], patch)
+    event = transition_event(body, old, new, now)
+    if event is not None:
+        # An Event is a courtesy: losing one must not fail (and so repeat) a pass whose status is written.
+        with contextlib.suppress(ApiError):
+            await client.create(event)
+    return True
+
+
+def transition_event(
+    body: Mapping[str, Any], old: Mapping[str, Any], new: Mapping[str, Any], now: str
+) -> Manifest | None:
+    """One Event when Ready's status or reason changes, never on every pass."""
+    before = cond.find(old.get("conditions"), cond.READY)
+    after = cond.find(new.get("conditions"), cond.READY)
+    if after is None:
+        return None
+    if before is not None and (before["status"], before["reason"]) == (after["status"], after["reason"]):
+        return None
+    if after["status"] == "True":
+        return _event(body, "Normal", "Ready", after["message"], now)
+    if after["reason"] == cond.UPDATING:
+        return _event(body, "Normal", "RollingOut", after["message"], now)
+    return _event(body, "Warning", after["reason"], after["message"], now)
 
 
 def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
@@ -243,116 +231,48 @@ def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: 
     }
 
 
-def _transition_events(
-    body: Mapping[str, Any], old: Mapping[str, Any], new: Mapping[str, Any], now: str
-) -> list[Manifest]:
-    """Events only when Ready's status or reason changes, never on every pass."""
-    before = cond.find(old.get("conditions"), cond.READY)
-    after = cond.find(new.get("conditions"), cond.READY)
-    if after is None:
-        return []
-    if before is not None and (before["status"], before["reason"]) == (after["status"], after["reason"]):
-        return []
-    if after["status"] == "True":
-        return [_event(body, "Normal", "Ready", after["message"], now)]
-    if after["reason"] == cond.UPDATING:
-        return [_event(body, "Normal", "RollingOut", after["message"], now)]
-    return [_event(body, "Warning", after["reason"], after["message"], now)]
-
-
-async def _write_status(
-    client: KubeClient, body: Mapping[str, Any], old: Mapping[str, Any], new: dict[str, Any], now: str
-) -> None:
-    if new == old:
-        return
-    meta = body["metadata"]
-    patch = {**new, **{k: None for k in old if k not in new}}
-    await client.patch_status(C.API_VERSION, C.KIND, meta["namespace"], meta["name"], patch)
-    for event in _transition_events(body, old, new, now):
-        await client.create(event)
-
-
-async def _apply_children(
-    client: KubeClient, plan: Plan, settings: OperatorSettings, uid: str | None, outcome: Outcome
-) -> dict[tuple[str, str], Manifest]:
-    """Server-side apply what differs, then delete owned children that are no longer desired."""
-    desired = render(plan, settings)
-    namespace = plan.namespace
-    selector = naming.owned_selector(plan.name)
-    # Independent reads and writes go out concurrently: a reconcile is ~10 round trips, and with
-    # hundreds of OmniModels latency, not API-server CPU, bounds throughput.
-    listed = await asyncio.gather(
-        *(client.list(api_version, kind, namespace, selector) for api_version, kind in CHILD_KINDS)
-    )
-    live = {(o["kind"], o["metadata"]["name"]): o for objs in listed for o in objs if _owned_by(o, uid)}
-
-    current: dict[tuple[str, str], Manifest] = {}
-
-    async def apply(manifest: Manifest) -> None:
-        key = (manifest["kind"], manifest["metadata"]["name"])
-        if needs_apply(manifest, live.get(key)):
-            current[key] = await client.apply(manifest, C.FIELD_MANAGER)
-            outcome.applied.append(_ref(manifest))
-        else:
-            current[key] = live[key]
-
-    # The ConfigMap first: pods that mount it should never start before it exists.
-    await apply(desired[0])
-    await asyncio.gather(*(apply(m) for m in desired[1:]))
-    stale = [obj for key, obj in live.items() if key not in current]
-    await asyncio.gather(*(client.delete(o["apiVersion"], o["kind"], namespace, o["metadata"]["name"]) for o in stale))
-    outcome.deleted.extend(sorted(_ref(o) for o in stale))
-    outcome.applied.sort()
-    return current
-
-
 async def reconcile(
     client: KubeClient,
     body: Mapping[str, Any],
+    observed: Observed,
     settings: OperatorSettings,
     now: Callable[[], str] = utc_now,
     *,
-    status_only: bool = False,
+    last_status: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Bring one OmniModel's children and status in line with its spec.
 
-    ``status_only`` re-reads Deployments and Pods and rewrites status without touching children: what a
-    child event needs, at two list calls instead of seven plus applies.
+    ``last_status`` is the status this operator last wrote, when the cached ``body`` may not show it
+    yet: status belongs to the operator alone, so its own last write is the freshest copy and a pass
+    right after a write neither patches status again nor posts the transition Event twice.
     """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid")
     generation = meta.get("generation")
-    old_status: Mapping[str, Any] = body.get("status") or {}
+    old_raw: Mapping[str, Any] = last_status if last_status is not None else body.get("status") or {}
+    old = parse_status(old_raw)
     outcome = Outcome()
     try:
         plan = resolve(name, namespace, body.get("spec") or {}, settings, uid=uid)
     except InvalidSpec as err:
         # Nothing is applied and nothing deleted: the last good children keep serving.
         outcome.invalid = err
-        outcome.status = invalid_status(err, old_status, generation, now())
-        await _write_status(client, body, old_status, outcome.status, now())
+        outcome.status = status_dict(invalid_status(str(err), old, generation, now()))
+        await write_status(client, body, old_raw, outcome.status, now())
         return outcome
 
-    selector = naming.owned_selector(name)
-    if status_only:
-        deployments = await client.list("apps/v1", "Deployment", namespace, selector)
-        current = {("Deployment", d["metadata"]["name"]): d for d in deployments if _owned_by(d, uid)}
+    desired = render(plan, settings)
+    live = {key: obj for key, obj in observed.objects.items() if owned_by(obj, uid)}
+    wanted = {_key(m) for m in desired}
+    outcome.conflicts = await _conflicts(client, [m for m in desired if _key(m) not in live], uid)
+    if outcome.conflicts:
+        # Take nothing over and delete nothing until the name is free.
+        current: dict[Key, Manifest] = dict(live)
     else:
-        current = await _apply_children(client, plan, settings, uid, outcome)
-
-    pods = await client.list("v1", "Pod", namespace, selector)
-
-    def state(component: str, deploy_name: str, pod_selector: Mapping[str, str]) -> ComponentState:
-        mine = [
-            p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in pod_selector.items())
-        ]
-        return component_state(component, current.get(("Deployment", deploy_name)), mine)
-
-    stage_states = [
-        state(sp.stage.name, naming.stage_name(name, sp.stage.name), naming.stage_selector(name, sp.stage.name))
-        for sp in plan.stages
-    ]
-    gateway = state("gateway", naming.gateway_name(name), naming.gateway_selector(name))
-    outcome.status = compute_status(plan, stage_states, gateway, old_status, generation, now())
-    await _write_status(client, body, old_status, outcome.status, now())
+        current = await _apply_children(client, desired, live, outcome)
+        await _prune(client, [obj for key, obj in live.items() if key not in wanted], outcome)
+    problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts))
+    status = _status(plan, current, observed.pods, old, generation, now(), problems)
+    outcome.status = status_dict(status)
+    await write_status(client, body, old_raw, outcome.status, now())
     return outcome

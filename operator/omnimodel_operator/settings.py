@@ -5,7 +5,7 @@ The Helm chart sets these on the operator Deployment (e.g. the runtime image per
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,11 +29,37 @@ class OperatorSettings(BaseSettings):
         description="Runtime image per accelerator vendor (JSON object), used when a CR sets none.",
     )
     image_pull_policy: str = Field(default="IfNotPresent")
-    status_interval: float = Field(
-        default=30.0,
+    resync_interval: float = Field(
+        default=600.0,
         gt=0,
-        description="Seconds between full level-based passes over each OmniModel (drift repair and "
-        "status); child Deployment events refresh status in between.",
+        description="Seconds between safety-net passes over every OmniModel. Changes to an OmniModel "
+        "or anything it owns are reconciled as their watch events arrive; this pass only catches what "
+        "a lost event would miss, and costs no API request when nothing drifted.",
+    )
+    event_coalesce_seconds: float = Field(
+        default=0.2,
+        ge=0,
+        description="How long a child or pod event waits for more events of the same OmniModel before "
+        "its pass runs (a rollout sends dozens).",
+    )
+    workers: int = Field(default=4, ge=1, le=64, description="OmniModels reconciled concurrently.")
+    retry_base_delay: float = Field(
+        default=0.5, gt=0, description="First retry delay after a failed pass; doubles per failure."
+    )
+    retry_max_delay: float = Field(default=300.0, gt=0, description="Longest retry delay after failed passes.")
+    stage_requests: dict[str, str] = Field(
+        default_factory=lambda: {"cpu": "500m", "memory": "1Gi"},
+        description="Requests (JSON object) for a stage container that sets none of its own, so stage "
+        "pods are never BestEffort; accelerator devices are added as limits.",
+    )
+    gateway_requests: dict[str, str] = Field(
+        default_factory=lambda: {"cpu": "100m", "memory": "256Mi"},
+        description="Requests (JSON object) for a gateway container that sets none of its own.",
+    )
+    scrape_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A NetworkPolicy peer (JSON, e.g. a namespaceSelector for the monitoring namespace) "
+        "allowed to reach stage and gateway pods' /metrics; unset = only the gateway reaches stages.",
     )
     namespaces: list[str] = Field(
         default_factory=list, description="Namespaces to watch (JSON list); empty = cluster-wide."

@@ -1,6 +1,5 @@
 {{/*
-RBAC rules: exactly the kinds and verbs the operator uses (omnimodel_operator/kube.py, reconcile.py,
-handlers.py) plus what kopf itself needs (https://kopf.readthedocs.io/en/stable/deployment/), each
+RBAC rules: exactly the kinds and verbs the operator uses (omnimodel_operator/reconcile.py, handlers.py) plus what kopf itself needs (https://kopf.readthedocs.io/en/stable/deployment/), each
 commented with its purpose. No wildcards; no Secrets (a gateway's apiKeySecret is only referenced by
 name in the pod spec, never read). tests/unit/chart checks these rules against that list.
 */}}
@@ -10,41 +9,41 @@ Rules for the namespaces the operator reconciles: a ClusterRole in cluster-wide 
 watchNamespaces otherwise.
 */}}
 {{- define "omnimodel-operator.rbac.namespacedRules" -}}
-# OmniModels: kopf lists and watches them and patches them with its bookkeeping annotations and the
-# finalizer its status timer needs; the operator gets an OmniModel when one of its Deployments changes.
+# OmniModels: kopf lists and watches them to feed the controller's cache and queue. The operator
+# writes nothing to them but their status (no finalizer, no kopf annotations).
 - apiGroups: ["omnimodel.io"]
   resources: ["omnimodels"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch"]
 # Status (conditions, per-stage replicas, endpoint) is written only through the status subresource.
 - apiGroups: ["omnimodel.io"]
   resources: ["omnimodels/status"]
   verbs: ["patch"]
 # Children of each OmniModel: server-side apply (a PATCH, which needs create when the object is new),
-# list by label to prune and to read rollout state, delete those the spec no longer asks for.
+# list and watch (the watch-fed cache reconciles read from), get (to tell a name already taken by
+# someone else before applying), delete those the spec no longer asks for.
 - apiGroups: [""]
-  resources: ["configmaps", "services"]
-  verbs: ["create", "patch", "list", "delete"]
-# Stage and gateway Deployments, as above, plus watch: kopf's child-event handler refreshes the owner's
-# status as soon as a rollout progresses.
+  resources: ["configmaps", "services", "serviceaccounts"]
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# Stage and gateway Deployments, as above.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["create", "patch", "list", "watch", "delete"]
-# Per-stage HorizontalPodAutoscalers (stages with spec.autoscaling).
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# Per-stage HorizontalPodAutoscalers (stages with spec.autoscaling), as above.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["create", "patch", "list", "delete"]
-# Per-stage PodDisruptionBudgets.
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# Per-stage PodDisruptionBudgets, as above.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch", "list", "delete"]
-# Per-stage NetworkPolicies (operator.networkPolicy); listed for pruning even when disabled.
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# Per-stage NetworkPolicies (operator.networkPolicy), as above; watched even when disabled, to prune.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create", "patch", "list", "delete"]
-# Pods, read-only: explain a stage that is not ready (Unschedulable, ImagePullBackOff) in its status.
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# Pods, read-only through a watch: explain a stage that is not ready (Unschedulable, ImagePullBackOff).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # Events on OmniModels: the operator's Ready transitions and kopf's handler warnings.
 - apiGroups: [""]
   resources: ["events"]

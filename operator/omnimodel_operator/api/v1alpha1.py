@@ -13,11 +13,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from omnimodel_runtime.pipeline import PRESETS, EngineName, Modality, StageKind, Vendor
+from omnimodel_runtime.pipeline import ENGINE_TASKS, PRESETS, EngineName, Modality, StageKind, Vendor
 from omnimodel_runtime.pipeline.graph import STAGE_NAME_MAX, STAGE_NAME_PATTERN
 
 MAX_STAGES = 16
 MAX_INPUTS = 8
+# Child names are <cr>-<stage>; these suffixes belong to the OmniModel's own children.
+RESERVED_STAGE_NAMES = ("gateway", "pipeline", "runtime")
+DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80, "queueDepth": 4, "inFlight": 4}
+ALL_TASKS = tuple(sorted({t for tasks in ENGINE_TASKS.values() for t in tasks}))
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
 
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> JsonValue:
@@ -164,8 +172,9 @@ class Autoscaling(KubeModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.minReplicas <= self.maxReplicas",
-                    "autoscaling.minReplicas must not exceed maxReplicas",
+                    # has(): minReplicas is optional (default 1), and CEL fails on an absent field.
+                    "(has(self.minReplicas) ? self.minReplicas : 1) <= self.maxReplicas",
+                    "autoscaling.minReplicas (default 1) must not exceed maxReplicas",
                     ".minReplicas",
                 )
             ]
@@ -180,9 +189,18 @@ class Autoscaling(KubeModel):
         "the custom metrics API: queueDepth (omnimodel_queue_depth) or inFlight "
         "(omnimodel_requests_in_flight). Default queueDepth.",
     )
-    target: int = Field(
-        ge=1, le=100000, description="Target per pod: utilisation percent for cpu, average value otherwise."
+    target: int | None = Field(
+        default=None,
+        ge=1,
+        le=100000,
+        description="Target per pod: utilisation percent for cpu, average value otherwise. "
+        f"Default {DEFAULT_AUTOSCALING_TARGETS['cpu']} for cpu, {DEFAULT_AUTOSCALING_TARGETS['queueDepth']} "
+        f"for queueDepth and {DEFAULT_AUTOSCALING_TARGETS['inFlight']} for inFlight.",
     )
+
+    @property
+    def target_value(self) -> int:
+        return self.target if self.target is not None else DEFAULT_AUTOSCALING_TARGETS[self.metric]
 
 
 class Disruption(KubeModel):
@@ -199,7 +217,22 @@ class StageSpec(KubeModel):
                     "!(has(self.replicas) && has(self.autoscaling))",
                     "replicas and autoscaling are mutually exclusive: autoscaling owns the replica count",
                     ".replicas",
-                )
+                ),
+                cel(
+                    "!(self.name in " + _cel_list(RESERVED_STAGE_NAMES) + ")",
+                    "stage names " + ", ".join(RESERVED_STAGE_NAMES) + " are reserved for the OmniModel's own "
+                    "children (<name>-gateway, <name>-pipeline, <name>-runtime)",
+                    ".name",
+                ),
+                cel(
+                    "!has(self.engine) || !has(self.task) || "
+                    + " || ".join(
+                        f"(self.engine == '{e.value}' && self.task in {_cel_list(t)})" for e, t in ENGINE_TASKS.items()
+                    ),
+                    "the engine does not run this task: "
+                    + "; ".join(f"{e.value} runs {', '.join(t)}" for e, t in ENGINE_TASKS.items()),
+                    ".task",
+                ),
             ]
         }
     )
@@ -210,11 +243,11 @@ class StageSpec(KubeModel):
         default=None,
         description="ar, generation, diffusion, encoder, decoder or vocoder. Only for graphs without a preset.",
     )
-    task: str | None = Field(
+    task: Literal[ALL_TASKS] | None = Field(  # type: ignore[valid-type]
         default=None,
-        min_length=1,
-        max_length=63,
-        description="What the engine does (e.g. text-generation). Only for graphs without a preset.",
+        description="What the engine does: "
+        + "; ".join(f"{e.value}: {', '.join(t)}" for e, t in ENGINE_TASKS.items())
+        + ". Only for graphs without a preset.",
     )
     inputs: list[DnsLabel] | None = Field(
         default=None,
@@ -242,6 +275,20 @@ class StageSpec(KubeModel):
     )
     autoscaling: Autoscaling | None = Field(default=None, description="HorizontalPodAutoscaler bounds.")
     disruption: Disruption | None = Field(default=None, description="PodDisruptionBudget for this stage.")
+
+    @model_validator(mode="after")
+    def _checked(self) -> StageSpec:
+        # The same rules as the CEL above, for objects that never went through the API server.
+        if self.name in RESERVED_STAGE_NAMES:
+            raise ValueError(f"stage name {self.name!r} is reserved ({', '.join(RESERVED_STAGE_NAMES)})")
+        if self.engine is not None and self.task is not None and self.task not in ENGINE_TASKS[self.engine]:
+            raise ValueError(
+                f"engine {self.engine.value} does not run task {self.task!r} "
+                f"(it runs {', '.join(ENGINE_TASKS[self.engine])})"
+            )
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("replicas and autoscaling are mutually exclusive: autoscaling owns the replica count")
+        return self
 
 
 def _preset_stage_map() -> str:
@@ -329,6 +376,8 @@ class OmniModelSpec(KubeModel):
 
 
 class Condition(KubeModel):
+    model_config = ConfigDict(extra="ignore")
+
     type: str = Field(description="Ready, Progressing or Degraded.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="UpperCamelCase reason.")
@@ -337,18 +386,39 @@ class Condition(KubeModel):
     last_transition_time: str = Field(description="When status last changed (RFC 3339).")
 
 
-class StageStatus(KubeModel):
-    name: str = Field(description="Stage name.")
+class StatusModel(KubeModel):
+    # Status written by an older operator may carry fields this one no longer writes.
+    model_config = ConfigDict(extra="ignore")
+
+
+class AutoscalerStatus(StatusModel):
+    kind: str = Field(description="What scales the stage: HorizontalPodAutoscaler.")
+    name: str = Field(description="Its name.")
+    current_replicas: int = Field(default=0, description="Replicas it last saw.")
+    desired_replicas: int = Field(default=0, description="Replicas it last asked for.")
+
+
+class ComponentStatus(StatusModel):
     replicas: int = Field(default=0, description="Desired pods.")
     ready_replicas: int = Field(default=0, description="Pods ready.")
     updated_replicas: int = Field(default=0, description="Pods on the current template.")
     available_replicas: int = Field(default=0, description="Pods available.")
+    reason: str = Field(
+        default="",
+        description="Ready, ScaledToZero (0 desired pods), CapacityLost (had its pods and lost some), "
+        "or why it is not ready yet: InsufficientCapacity, ProgressDeadlineExceeded, Updating, PodsNotReady.",
+    )
+    message: str = Field(default="", description="Why it is not ready, when it is not.")
+
+
+class StageStatus(ComponentStatus):
+    name: str = Field(description="Stage name.")
     accelerator: str = Field(default="", description="Devices per replica, e.g. 2x nvidia H200.")
     service: str = Field(default="", description="In-cluster URL of the stage.")
-    message: str = Field(default="", description="Why the stage is not ready, when it is not.")
+    autoscaler: AutoscalerStatus | None = Field(default=None, description="The stage's autoscaler, if any.")
 
 
-class OmniModelStatus(KubeModel):
+class OmniModelStatus(StatusModel):
     observed_generation: int | None = Field(default=None, description="Last spec generation reconciled.")
     conditions: list[Condition] | None = Field(
         default=None,
@@ -360,8 +430,13 @@ class OmniModelStatus(KubeModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="Per-stage rollout state.",
     )
+    gateway: ComponentStatus | None = Field(default=None, description="Rollout state of the gateway.")
     ready_stages: str | None = Field(default=None, description="Ready stages over total, e.g. 2/3.")
     endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI API.")
+    served_modalities: list[Modality] | None = Field(
+        default=None,
+        description="Output modalities the model can serve now (a modality whose stages are scaled to 0 is left out).",
+    )
 
 
 class OmniModel(KubeModel):

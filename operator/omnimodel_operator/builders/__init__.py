@@ -7,7 +7,7 @@ whatever they return, in order.
 from __future__ import annotations
 
 from omnimodel_operator import constants as C
-from omnimodel_operator.builders.common import Manifest, content_hash
+from omnimodel_operator.builders.common import Manifest, content_hash, service_account
 from omnimodel_operator.builders.gateway import gateway_deployment, gateway_service
 from omnimodel_operator.builders.pipeline import pipeline_configmap
 from omnimodel_operator.builders.stage import (
@@ -24,6 +24,7 @@ from omnimodel_operator.settings import OperatorSettings
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "ConfigMap"),
     ("v1", "Service"),
+    ("v1", "ServiceAccount"),
     ("apps/v1", "Deployment"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("policy/v1", "PodDisruptionBudget"),
@@ -33,17 +34,17 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
 
 def render(plan: Plan, settings: OperatorSettings) -> list[Manifest]:
     """Every child of one OmniModel, in apply order (config before the pods that mount it)."""
-    out: list[Manifest] = [pipeline_configmap(plan)]
+    out: list[Manifest] = [pipeline_configmap(plan), service_account(plan)]
     for sp in plan.stages:
         out.append(stage_service(plan, sp))
-        out.append(stage_deployment(plan, sp, settings.image_pull_policy))
+        out.append(stage_deployment(plan, sp, settings))
         for optional in (stage_hpa(plan, sp), stage_pdb(plan, sp)):
             if optional is not None:
                 out.append(optional)
         if settings.network_policy:
-            out.append(stage_network_policy(plan, sp))
+            out.append(stage_network_policy(plan, sp, settings))
     out.append(gateway_service(plan))
-    out.append(gateway_deployment(plan, settings.image_pull_policy))
+    out.append(gateway_deployment(plan, settings))
     return [with_applied_hash(m) for m in out]
 
 

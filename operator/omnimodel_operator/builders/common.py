@@ -71,11 +71,17 @@ def quantity(value: int | str) -> str:
     return str(value)
 
 
-def resources_dict(resources: Resources | None, device_limits: Mapping[str, str]) -> dict[str, Any]:
+def resources_dict(
+    resources: Resources | None, device_limits: Mapping[str, str], default_requests: Mapping[str, str]
+) -> dict[str, Any]:
     """User cpu/memory plus device limits; devices are limits only (the API server copies them to
-    requests), and the accelerator table wins over a hand-written device limit."""
+    requests), and the accelerator table wins over a hand-written device limit. A container that
+    requests nothing gets ``default_requests``, so it is never BestEffort (first evicted)."""
     limits = {k: quantity(v) for k, v in ((resources.limits if resources else None) or {}).items()}
     requests = {k: quantity(v) for k, v in ((resources.requests if resources else None) or {}).items()}
+    if not requests:
+        # A limit without a request makes the API server copy the limit into the request.
+        requests = {k: v for k, v in default_requests.items() if k not in limits}
     limits.update(device_limits)
     out: dict[str, Any] = {}
     if limits:
@@ -83,6 +89,24 @@ def resources_dict(resources: Resources | None, device_limits: Mapping[str, str]
     if requests:
         out["requests"] = dict(sorted(requests.items()))
     return out
+
+
+def service_account(plan: Plan) -> Manifest:
+    """The identity every runtime pod of this OmniModel runs as: its own, so no pod shares the
+    namespace's default ServiceAccount, and without an API token, because the runtime never calls the
+    Kubernetes API."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(
+            plan, naming.service_account_name(plan.name), naming.common_labels(plan.name, C.COMPONENT_RUNTIME)
+        ),
+        "automountServiceAccountToken": False,
+    }
+
+
+def pod_identity(plan: Plan) -> dict[str, Any]:
+    return {"serviceAccountName": naming.service_account_name(plan.name), "automountServiceAccountToken": False}
 
 
 def pod_security_context() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from omnimodel_operator.builders.common import (
     merge_env,
     metadata,
     pipeline_volume,
+    pod_identity,
     pod_security_context,
     resources_dict,
     runtime_env,
@@ -22,13 +23,14 @@ from omnimodel_operator.builders.common import (
     tolerations_list,
 )
 from omnimodel_operator.resolve import Plan
+from omnimodel_operator.settings import OperatorSettings
 from omnimodel_runtime.pipeline import Vendor
 
 API_KEY_SECRET_KEY = "api-key"  # noqa: S105  (the name of a Secret key, not a secret)
 GATEWAY_STARTUP_SECONDS = 300
 
 
-def gateway_deployment(plan: Plan, image_pull_policy: str) -> Manifest:
+def gateway_deployment(plan: Plan, settings: OperatorSettings) -> Manifest:
     gw = plan.spec.gateway
     name = naming.gateway_name(plan.name)
     labels = naming.gateway_labels(plan.name)
@@ -45,7 +47,7 @@ def gateway_deployment(plan: Plan, image_pull_policy: str) -> Manifest:
     container: dict[str, Any] = {
         "name": "gateway",
         "image": plan.gateway_image,
-        "imagePullPolicy": plan.spec.runtime.image_pull_policy or image_pull_policy,
+        "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
         "command": ["omnimodel", "gateway"],
         "args": [
             "--pipeline",
@@ -57,12 +59,13 @@ def gateway_deployment(plan: Plan, image_pull_policy: str) -> Manifest:
         ],
         "ports": [{"name": "http", "containerPort": C.GATEWAY_PORT, "protocol": "TCP"}],
         "env": env,
-        "resources": resources_dict(gw.resources, {}),
+        "resources": resources_dict(gw.resources, {}, settings.gateway_requests),
         "volumeMounts": [pipeline_mount, *scratch_mounts],
         "securityContext": container_security_context(),
         **http_probes("http", startup_seconds=GATEWAY_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {
+        **pod_identity(plan),
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [pipeline_vol, *scratch_vols],

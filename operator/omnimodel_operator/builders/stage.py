@@ -19,6 +19,7 @@ from omnimodel_operator.builders.common import (
     model_cache_volume,
     model_source_volume,
     pipeline_volume,
+    pod_identity,
     pod_security_context,
     resources_dict,
     runtime_env,
@@ -26,6 +27,7 @@ from omnimodel_operator.builders.common import (
     tolerations_list,
 )
 from omnimodel_operator.resolve import Plan, StagePlan
+from omnimodel_operator.settings import OperatorSettings
 
 # Loading real weights (tens of GB) can take many minutes before /health turns 200.
 STAGE_STARTUP_SECONDS = 1800
@@ -38,7 +40,7 @@ def stage_hash(plan: Plan, sp: StagePlan) -> str:
     )
 
 
-def stage_deployment(plan: Plan, sp: StagePlan, image_pull_policy: str) -> Manifest:
+def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> Manifest:
     stage = sp.stage
     user = sp.spec
     acc = accelerator_for(stage.accelerator.vendor)
@@ -57,7 +59,7 @@ def stage_deployment(plan: Plan, sp: StagePlan, image_pull_policy: str) -> Manif
     container: dict[str, Any] = {
         "name": "stage",
         "image": sp.image,
-        "imagePullPolicy": plan.spec.runtime.image_pull_policy or image_pull_policy,
+        "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
         "command": ["omnimodel", "stage"],
         "args": [
             "--pipeline",
@@ -75,12 +77,15 @@ def stage_deployment(plan: Plan, sp: StagePlan, image_pull_policy: str) -> Manif
             [{"name": k, "value": v} for k, v in acc.env().items()],
             env_list(user.env if user else None),
         ),
-        "resources": resources_dict(user.resources if user else None, acc.resources(stage.accelerator)),
+        "resources": resources_dict(
+            user.resources if user else None, acc.resources(stage.accelerator), settings.stage_requests
+        ),
         "volumeMounts": [pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
         **http_probes("http", startup_seconds=STAGE_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {
+        **pod_identity(plan),
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [pipeline_vol, cache_vol, *source_vols, *scratch_vols],
@@ -147,14 +152,14 @@ def stage_hpa(plan: Plan, sp: StagePlan) -> Manifest | None:
     if auto.metric == "cpu":
         metric: dict[str, Any] = {
             "type": "Resource",
-            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": auto.target}},
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": auto.target_value}},
         }
     else:
         metric = {
             "type": "Pods",
             "pods": {
                 "metric": {"name": _METRIC_NAMES[auto.metric]},
-                "target": {"type": "AverageValue", "averageValue": str(auto.target)},
+                "target": {"type": "AverageValue", "averageValue": str(auto.target_value)},
             },
         }
     return {
@@ -187,21 +192,12 @@ def stage_pdb(plan: Plan, sp: StagePlan) -> Manifest | None:
     }
 
 
-def stage_network_policy(plan: Plan, sp: StagePlan) -> Manifest:
-    """Only this OmniModel's gateway and the stage's upstream stages may open connections."""
+def stage_network_policy(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> Manifest:
+    """Only this OmniModel's gateway may open connections to a stage: the gateway relays every
+    hand-off, stages never call each other. ``scrape_from`` (a monitoring peer) may scrape /metrics."""
     peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": naming.gateway_selector(plan.name)}}]
-    if sp.stage.inputs:
-        peers.append(
-            {
-                "podSelector": {
-                    "matchLabels": {
-                        C.LABEL_INSTANCE: naming.instance_label(plan.name),
-                        C.LABEL_COMPONENT: C.COMPONENT_STAGE,
-                    },
-                    "matchExpressions": [{"key": C.LABEL_STAGE, "operator": "In", "values": list(sp.stage.inputs)}],
-                }
-            }
-        )
+    if settings.scrape_from:
+        peers.append(dict(settings.scrape_from))
     name = naming.stage_name(plan.name, sp.stage.name)
     return {
         "apiVersion": "networking.k8s.io/v1",

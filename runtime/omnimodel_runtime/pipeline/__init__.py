@@ -5,6 +5,7 @@ neither.
 """
 
 from omnimodel_runtime.pipeline.graph import (
+    ENGINE_TASKS,
     PIPELINE_FILE_VERSION,
     AcceleratorRequest,
     EngineName,
@@ -24,6 +25,7 @@ from omnimodel_runtime.pipeline.graph import (
 from omnimodel_runtime.pipeline.presets import PRESETS, get_preset, preset_names
 
 __all__ = [
+    "ENGINE_TASKS",
     "PIPELINE_FILE_VERSION",
     "PRESETS",
     "AcceleratorRequest",

@@ -49,6 +49,22 @@ class EngineName(StrEnum):
     DIFFUSERS = "diffusers"
 
 
+# The tasks each engine runs, for graphs described without a preset. The operator rejects any other
+# (engine, task) pair before a pod starts; tests/unit/runtime checks this against the engine registry.
+ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
+    EngineName.VLLM: ("text-generation",),
+    EngineName.TRANSFORMERS: (
+        "text-generation",
+        "omni-thinker",
+        "omni-talker",
+        "omni-code2wav",
+        "tts-acoustic",
+        "tts-vocoder",
+    ),
+    EngineName.DIFFUSERS: ("text-to-image", "t2i-encode", "t2i-denoise", "t2i-decode"),
+}
+
+
 class Vendor(StrEnum):
     """Accelerator vendor; ``cpu`` means no device at all."""
 

@@ -1,4 +1,8 @@
-"""The reconcile against the in-memory API server: convergence, no-op passes, pruning, status."""
+"""The reconcile against the in-memory API server: convergence, no-op passes, pruning, status.
+
+Each pass reads what the controller's watch-fed cache would hold (``FakeKube.snapshot``), so request
+counts here are what a pass costs the API server.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ import pytest
 import yaml
 
 from omnimodel_operator import conditions as cond
-from omnimodel_operator.kube import ApiError, FakeKube
-from omnimodel_operator.reconcile import reconcile
+from omnimodel_operator.kube import ApiError
+from omnimodel_operator.reconcile import Outcome, reconcile
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_runtime.pipeline import parse_pipeline
+from testkit.fake_kube import FakeKube
 
 REPO = Path(__file__).parents[3]
 SETTINGS = OperatorSettings()
@@ -61,6 +66,10 @@ def mark_rolled_out(kube: FakeKube) -> None:
         )
 
 
+async def run(kube: FakeKube, name: str) -> Outcome:
+    return await reconcile(kube, body(kube, name), kube.snapshot(name), SETTINGS, now)
+
+
 @pytest.fixture
 def kube() -> FakeKube:
     return FakeKube()
@@ -68,8 +77,8 @@ def kube() -> FakeKube:
 
 async def test_first_reconcile_converges_and_second_writes_nothing(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
-    first = await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
-    assert len(first.applied) == 13
+    first = await run(kube, "qwen-omni")
+    assert len(first.applied) == 14
     assert {d["metadata"]["name"] for d in kube.of_kind("Deployment")} == {
         "qwen-omni-thinker", "qwen-omni-talker", "qwen-omni-code2wav", "qwen-omni-gateway",
     }  # fmt: skip
@@ -78,17 +87,17 @@ async def test_first_reconcile_converges_and_second_writes_nothing(kube: FakeKub
             assert obj["metadata"]["ownerReferences"][0]["uid"] == body(kube, "qwen-omni")["metadata"]["uid"]
     assert ready(kube, "qwen-omni")["status"] == "False"  # nothing is rolled out yet: never early
 
-    writes = len(kube.writes)
-    again = await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    requests = len(kube.requests)
+    again = await run(kube, "qwen-omni")
     assert again.applied == [] and again.deleted == []
-    assert kube.writes[writes:] == []
+    assert kube.requests[requests:] == []  # not even a read: the cache answers everything
 
 
 async def test_ready_only_when_every_deployment_is_available(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     mark_rolled_out(kube)
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     status = body(kube, "qwen-omni")["status"]
     assert ready(kube, "qwen-omni")["status"] == "True"
     assert status["readyStages"] == "3/3"
@@ -105,22 +114,22 @@ async def test_ready_only_when_every_deployment_is_available(kube: FakeKube) -> 
     # a status-only pass with nothing changed writes nothing and keeps lastTransitionTime
     before = ready(kube, "qwen-omni")["lastTransitionTime"]
     writes = len(kube.writes)
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     assert kube.writes[writes:] == []
     assert ready(kube, "qwen-omni")["lastTransitionTime"] == before
 
 
 async def test_spec_change_shows_progressing_with_the_stage_named(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     mark_rolled_out(kube)
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
 
     om = kube.find("OmniModel", "qwen-omni", "ml")
     assert om is not None
     om["spec"]["stages"][2]["engineArgs"] = {"steps": 8}
     om["metadata"]["generation"] = 2
-    out = await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    out = await run(kube, "qwen-omni")
     assert "Deployment ml/qwen-omni-code2wav" in out.applied
     assert "Deployment ml/qwen-omni-thinker" not in out.applied
     status = body(kube, "qwen-omni")["status"]
@@ -142,13 +151,13 @@ async def test_removing_a_stage_deletes_its_children(kube: FakeKube) -> None:
         }
     )
     kube.put(doc)
-    await reconcile(kube, body(kube, "custom-chat"), SETTINGS, now)
+    await run(kube, "custom-chat")
     assert kube.find("Deployment", "custom-chat-extra") is not None
 
     om = kube.find("OmniModel", "custom-chat", "ml")
     assert om is not None
     om["spec"]["stages"].pop()
-    out = await reconcile(kube, body(kube, "custom-chat"), SETTINGS, now)
+    out = await run(kube, "custom-chat")
     assert sorted(out.deleted) == [
         "Deployment ml/custom-chat-extra", "NetworkPolicy ml/custom-chat-extra", "Service ml/custom-chat-extra",
     ]  # fmt: skip
@@ -158,14 +167,14 @@ async def test_removing_a_stage_deletes_its_children(kube: FakeKube) -> None:
 
 async def test_invalid_spec_applies_and_deletes_nothing(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     children = {k: v for k, v in kube.objects.items() if k[1] not in ("OmniModel", "Event")}
 
     om = kube.find("OmniModel", "qwen-omni", "ml")
     assert om is not None
     om["spec"]["stages"][1]["accelerator"] = {"vendor": "amd", "count": 0}
     writes = len(kube.writes)
-    out = await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    out = await run(kube, "qwen-omni")
     assert out.invalid is not None
     assert [w[0] for w in kube.writes[writes:]] == ["status", "create"]  # status + one Warning event
     assert {k: v for k, v in kube.objects.items() if k[1] not in ("OmniModel", "Event")} == children
@@ -177,25 +186,90 @@ async def test_invalid_spec_applies_and_deletes_nothing(kube: FakeKube) -> None:
     assert "spec.stages[talker].accelerator" in warning[0]["message"]
 
     writes = len(kube.writes)  # the same invalid spec again: no new event, no write
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     assert kube.writes[writes:] == []
 
 
 async def test_drift_is_repaired(kube: FakeKube) -> None:
     kube.put(example("text-tiny.yaml"))
-    await reconcile(kube, body(kube, "text-tiny"), SETTINGS, now)
-    deploy = kube.find("Deployment", "text-tiny-llm")
-    assert deploy is not None
-    deploy["spec"]["replicas"] = 5  # someone ran `kubectl scale`
-    out = await reconcile(kube, body(kube, "text-tiny"), SETTINGS, now)
+    await run(kube, "text-tiny")
+
+    def scale(deploy: dict[str, Any]) -> None:
+        deploy["spec"]["replicas"] = 5
+
+    kube.update_as("kubectl", "Deployment", "ml", "text-tiny-llm", scale)  # `kubectl scale`
+    out = await run(kube, "text-tiny")
     assert out.applied == ["Deployment ml/text-tiny-llm"]
     fixed = kube.find("Deployment", "text-tiny-llm")
     assert fixed is not None and fixed["spec"]["replicas"] == 1
+    assert (await run(kube, "text-tiny")).applied == []  # the field is ours again: no apply loop
+
+
+async def test_a_deleted_child_is_recreated(kube: FakeKube) -> None:
+    kube.put(example("text-tiny.yaml"))
+    await run(kube, "text-tiny")
+    kube.remove("apps/v1", "Deployment", "ml", "text-tiny-llm")
+    out = await run(kube, "text-tiny")
+    assert out.applied == ["Deployment ml/text-tiny-llm"]
+
+
+async def test_a_refused_child_is_reported_and_the_others_converge(kube: FakeKube) -> None:
+    doc = example("text-tiny.yaml")
+    doc["spec"]["stages"] = [{"name": "llm", "disruption": {"minAvailable": "150%"}}]
+    kube.put(doc)
+    refusal = (
+        'PodDisruptionBudget.policy "text-tiny-llm" is invalid: '
+        'spec.minAvailable: Invalid value: "150%": must not be greater than 100%'
+    )
+    kube.refuse[("apply", "PodDisruptionBudget")] = ApiError(422, "Invalid", refusal)
+    out = await run(kube, "text-tiny")
+    assert out.errors == [f"PodDisruptionBudget ml/text-tiny-llm: {refusal}"]
+    assert not out.transient
+    assert kube.find("Deployment", "text-tiny-llm") is not None  # the rest of the graph still converges
+    mark_rolled_out(kube)
+    await run(kube, "text-tiny")
+    r = ready(kube, "text-tiny")
+    assert (r["status"], r["reason"]) == ("False", cond.RECONCILE_ERROR)
+    assert "spec.minAvailable" in r["message"] and "PodDisruptionBudget ml/text-tiny-llm" in r["message"]
+    del kube.refuse[("apply", "PodDisruptionBudget")]  # fixed (say, by an admission webhook change)
+    await run(kube, "text-tiny")
+    assert ready(kube, "text-tiny")["status"] == "True"
+
+
+async def test_a_name_taken_by_another_owner_is_a_conflict_and_nothing_is_taken_over(kube: FakeKube) -> None:
+    kube.put(example("text-tiny.yaml"))
+    other = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "text-tiny-llm",
+            "namespace": "ml",
+            "ownerReferences": [
+                {
+                    "apiVersion": "omnimodel.io/v1alpha1",
+                    "kind": "OmniModel",
+                    "name": "text",
+                    "uid": "other",
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {"ports": [{"port": 80}]},
+    }
+    kube.put(other)
+    out = await run(kube, "text-tiny")
+    assert out.applied == [] and out.deleted == []
+    assert out.conflicts == ["Service ml/text-tiny-llm exists and it belongs to OmniModel text (uid other)"]
+    r = ready(kube, "text-tiny")
+    assert (r["status"], r["reason"]) == ("False", cond.NAME_CONFLICT)
+    taken = kube.find("Service", "text-tiny-llm", "ml")
+    assert taken is not None and taken["metadata"]["ownerReferences"][0]["uid"] == "other"
+    assert taken["spec"] == {"ports": [{"port": 80}]}
 
 
 async def test_unschedulable_stage_is_named_in_status(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     mark_rolled_out(kube)
     kube.set_status(
         "Deployment",
@@ -230,39 +304,39 @@ async def test_unschedulable_stage_is_named_in_status(kube: FakeKube) -> None:
             },
         }
     )
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     r = ready(kube, "qwen-omni")
     assert (r["status"], r["reason"]) == ("False", "InsufficientCapacity")
     assert "thinker" in r["message"] and "Insufficient nvidia.com/gpu" in r["message"]
     status = body(kube, "qwen-omni")["status"]
+    progressing = cond.find(status["conditions"], cond.PROGRESSING)
+    assert progressing is not None and (progressing["status"], progressing["reason"]) == (
+        "True",
+        "InsufficientCapacity",
+    )
     degraded = cond.find(status["conditions"], cond.DEGRADED)
-    assert degraded is not None and degraded["status"] == "True"
+    assert degraded is not None and degraded["status"] == "False"  # never had its pods: not lost capacity
     assert {s["name"]: s["message"] for s in status["stages"]}["thinker"].startswith("thinker: pods cannot")
     assert status["readyStages"] == "2/3"
 
 
 async def test_transient_api_error_never_reports_ready(kube: FakeKube) -> None:
     kube.put(example("text-tiny.yaml"))
-    kube.fail_next.append(ApiError(503, "ServiceUnavailable", "etcd leader changed"))
-    with pytest.raises(ApiError) as info:
-        await reconcile(kube, body(kube, "text-tiny"), SETTINGS, now)
-    assert info.value.transient
-    assert "status" not in body(kube, "text-tiny")
-    await reconcile(kube, body(kube, "text-tiny"), SETTINGS, now)  # the retry converges
+    kube.refuse[("apply", "Deployment")] = ApiError(503, "ServiceUnavailable", "etcd leader changed")
+    out = await run(kube, "text-tiny")
+    assert out.transient
+    r = ready(kube, "text-tiny")
+    assert (r["status"], r["reason"]) == ("False", cond.RECONCILE_ERROR)
+    assert "etcd leader changed" in r["message"]
+    del kube.refuse[("apply", "Deployment")]
+    await run(kube, "text-tiny")  # the retry converges
     assert kube.find("Deployment", "text-tiny-llm") is not None
-
-
-async def test_deleting_the_omnimodel_garbage_collects_children(kube: FakeKube) -> None:
-    kube.put(example("tts.yaml"))
-    await reconcile(kube, body(kube, "speech"), SETTINGS, now)
-    kube.remove("omnimodel.io/v1alpha1", "OmniModel", "ml", "speech")
-    assert [k for k in kube.objects if k[1] != "Event"] == []
 
 
 async def test_configmap_is_the_runtime_pipeline_file(kube: FakeKube) -> None:
     """Contract: what the operator writes is exactly what the runtime parses."""
     kube.put(example("qwen-omni.yaml"))
-    await reconcile(kube, body(kube, "qwen-omni"), SETTINGS, now)
+    await run(kube, "qwen-omni")
     cm = kube.find("ConfigMap", "qwen-omni-pipeline", "ml")
     assert cm is not None
     pipeline = parse_pipeline(cm["data"]["pipeline.json"])
@@ -270,18 +344,3 @@ async def test_configmap_is_the_runtime_pipeline_file(kube: FakeKube) -> None:
     assert pipeline.stage("talker").accelerator.vendor.value == "amd"
     assert pipeline.stage("thinker").endpoints == ("http://qwen-omni-thinker.ml.svc:8001",)
     assert pipeline.model.source == "hf://Qwen/Qwen2.5-Omni-7B"
-
-
-async def test_status_only_refresh_reads_children_and_writes_only_status(kube: FakeKube) -> None:
-    kube.put(example("tts.yaml"))
-    await reconcile(kube, body(kube, "speech"), SETTINGS, now)
-    mark_rolled_out(kube)
-    deploy = kube.find("Deployment", "speech-vocoder")
-    assert deploy is not None
-    deploy["spec"]["replicas"] = 7  # drift is left for the full pass; a child event only refreshes status
-    writes = len(kube.writes)
-    out = await reconcile(kube, body(kube, "speech"), SETTINGS, now, status_only=True)
-    assert out.applied == []
-    assert [w[0] for w in kube.writes[writes:]] == ["status"]
-    stages = {s["name"]: s for s in body(kube, "speech")["status"]["stages"]}
-    assert stages["vocoder"]["replicas"] == 7

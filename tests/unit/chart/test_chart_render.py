@@ -63,7 +63,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "crds": {"keep": False},
         "runtime": {"repository": "registry.local/rt", "tag": "1.2.3", "images": {"cpu": "registry.local/cpu:x"}},
         "operator": {
-            "statusInterval": 2.5,
+            "resyncInterval": 2.5,
             "networkPolicy": False,
             "healthPort": 9090,
             "verbose": True,
@@ -102,23 +102,22 @@ def rules_of(role: Manifest) -> dict[tuple[str, str], set[str]]:
 def expected_namespaced_rules() -> dict[tuple[str, str], set[str]]:
     """What the operator does in a namespace it reconciles, derived from its own tables."""
     rules: dict[tuple[str, str], set[str]] = {
-        # kopf: list/watch to handle, patch for annotations + finalizer; handlers.child_changed: get.
-        (C.GROUP, C.PLURAL): {"get", "list", "watch", "patch"},
-        # reconcile._write_status: merge patch of the status subresource.
+        # handlers: kopf indexes and event handlers list and watch OmniModels (they write nothing to them).
+        (C.GROUP, C.PLURAL): {"list", "watch"},
+        # reconcile.write_status: merge patch of the status subresource.
         (C.GROUP, f"{C.PLURAL}/status"): {"patch"},
-        # reconcile: list pods of the stages to explain Ready=False.
-        ("", "pods"): {"list"},
-        # reconcile._transition_events and kopf's warnings.
+        # handlers.pods: the pods index (list + watch) explains a stage that is not ready.
+        ("", "pods"): {"list", "watch"},
+        # reconcile.transition_event and kopf's warnings.
         ("", "events"): {"create"},
     }
     for api_version, kind in CHILD_KINDS:
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
         plural, namespaced = RESOURCES[(api_version, kind)]
         assert namespaced
-        # server-side apply (patch; create for new objects), list to prune, delete to prune.
-        rules[(group, plural)] = {"create", "patch", "list", "delete"}
-    # handlers.child_changed: @kopf.on.event on deployments.
-    rules[("apps", "deployments")].add("watch")
+        # server-side apply (patch; create for new objects), get (name conflicts), list + watch (the
+        # kopf index the controller reads), delete to prune.
+        rules[(group, plural)] = {"create", "patch", "get", "list", "watch", "delete"}
     return rules
 
 
@@ -220,7 +219,14 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
     assert OperatorSettings() == OperatorSettings.model_construct(
         runtime_images=DEFAULT_RUNTIME_IMAGES,
         image_pull_policy="IfNotPresent",
-        status_interval=30.0,
+        resync_interval=600.0,
+        workers=4,
+        event_coalesce_seconds=0.2,
+        retry_base_delay=0.5,
+        retry_max_delay=300.0,
+        stage_requests={"cpu": "500m", "memory": "1Gi"},
+        gateway_requests={"cpu": "100m", "memory": "256Mi"},
+        scrape_from={},
         namespaces=[],
         network_policy=True,
         health_port=8080,
@@ -241,7 +247,7 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings = OperatorSettings()
-    assert settings.status_interval == 2.5
+    assert settings.resync_interval == 2.5
     assert settings.network_policy is False
     assert settings.health_port == 9090
     assert settings.metrics_port == 9091
@@ -292,7 +298,7 @@ def test_image_digest_pins_the_image(render: Render) -> None:
 def test_bad_values_are_rejected_by_the_schema(render_error: RenderError) -> None:
     assert "pullPolicy" in render_error({"image": {"pullPolicy": "Sometimes"}})
     assert "replicas" in render_error({"replicas": 2})  # one operator, not configurable
-    assert "statusInterval" in render_error({"operator": {"statusInterval": 0}})
+    assert "resyncInterval" in render_error({"operator": {"resyncInterval": 0}})
     assert "watchNamespaces" in render_error({"watchNamespaces": ["Not_A_Namespace"]})
     assert "port" in render_error({"metrics": {"port": 0}})  # 0 is the operator's "off": use metrics.enabled
     assert "interval" in render_error({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}})

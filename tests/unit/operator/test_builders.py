@@ -127,13 +127,44 @@ def test_changing_one_stage_rolls_only_that_stage() -> None:
     assert template(before, "m-gateway") != template(after, "m-gateway")
 
 
-def test_network_policy_admits_gateway_and_upstream_stages_only() -> None:
+def test_network_policy_admits_only_the_gateway_unless_scraping_is_enabled() -> None:
+    """The gateway relays every hand-off, so no stage needs to reach another one."""
+    plan = resolve("m", "ml", spec_for("qwen2.5-omni", Vendor.CPU), SETTINGS, uid="u")
+    for stage in ("thinker", "talker", "code2wav"):
+        peers = by_kind_name(render(plan, SETTINGS))[("NetworkPolicy", f"m-{stage}")]["spec"]["ingress"][0]["from"]
+        assert peers == [
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/instance": "m", "app.kubernetes.io/component": "gateway"}
+                }
+            }
+        ]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    scraped = OperatorSettings(scrape_from=monitoring)
+    peers = by_kind_name(render(plan, scraped))[("NetworkPolicy", "m-talker")]["spec"]["ingress"][0]["from"]
+    assert peers[1] == monitoring
+
+
+def test_runtime_pods_run_as_their_own_service_account_without_a_token() -> None:
     out = by_kind_name(render(resolve("m", "ml", spec_for("qwen2.5-omni", Vendor.CPU), SETTINGS, uid="u"), SETTINGS))
-    talker = out[("NetworkPolicy", "m-talker")]["spec"]["ingress"][0]["from"]
-    assert talker[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
-    assert talker[1]["podSelector"]["matchExpressions"][0]["values"] == ["thinker"]
-    thinker = out[("NetworkPolicy", "m-thinker")]["spec"]["ingress"][0]["from"]
-    assert len(thinker) == 1
+    assert out[("ServiceAccount", "m-runtime")]["automountServiceAccountToken"] is False
+    for name in ("m-thinker", "m-talker", "m-code2wav", "m-gateway"):
+        pod = out[("Deployment", name)]["spec"]["template"]["spec"]
+        assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("m-runtime", False)
+
+
+def test_containers_without_requests_get_the_default_requests_and_user_requests_win() -> None:
+    spec = spec_for("text", Vendor.NVIDIA)
+    out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    llm = container(out[("Deployment", "m-llm")])["resources"]
+    assert llm == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "500m", "memory": "1Gi"}}
+    assert container(out[("Deployment", "m-gateway")])["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    spec["stages"][0]["resources"] = {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}}
+    out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    assert container(out[("Deployment", "m-llm")])["resources"] == {
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+        "requests": {"cpu": "8"},
+    }
 
 
 def test_api_key_secret_reaches_the_gateway_env() -> None:

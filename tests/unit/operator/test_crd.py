@@ -83,13 +83,15 @@ def test_crd_shape() -> None:
     )
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Stages", "Endpoint", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready", "Reason", "Stages", "Generation", "Observed", "Endpoint", "Age",
+    ]  # fmt: skip
     stages = openapi_schema()["properties"]["spec"]["properties"]["stages"]
     assert stages["x-kubernetes-list-type"] == "map"
     assert stages["x-kubernetes-list-map-keys"] == ["name"]
     rules = [r["rule"] for _, n in walk(openapi_schema()) for r in n.get("x-kubernetes-validations", [])]
     assert any("autoscaling" in r for r in rules)
-    assert any("minReplicas <= self.maxReplicas" in r for r in rules)
+    assert any("self.minReplicas : 1) <= self.maxReplicas" in r for r in rules)
     assert any("j < k" in r for r in rules)  # inputs name earlier stages → DAG
 
 

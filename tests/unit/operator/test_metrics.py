@@ -1,5 +1,5 @@
-"""The operator's Prometheus metrics: passes by trigger and result, writes by verb, OmniModels by Ready,
-the /metrics server and its kopf wiring. Reconciles run against the in-memory API server."""
+"""The operator's Prometheus metrics: passes by trigger and result, API requests by verb, OmniModels by
+Ready, the /metrics server and its kopf wiring. Reconciles run against the in-memory API server."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import copy
 import logging
 import socket
 from collections import Counter as Tally
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import kopf
@@ -20,10 +19,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnimodel_operator import handlers
-from omnimodel_operator.kube import ApiError, FakeKube
-from omnimodel_operator.metrics import CountingKube, MetricsServer, OperatorMetrics, ready_counts
+from omnimodel_operator.kube import ApiError
+from omnimodel_operator.metrics import InstrumentedKube, MetricsServer, OperatorMetrics, ready_counts
 from omnimodel_operator.reconcile import reconcile
 from omnimodel_operator.settings import OperatorSettings
+from testkit.fake_kube import FakeKube
 
 REPO = Path(__file__).parents[3]
 SETTINGS = OperatorSettings()
@@ -64,10 +64,10 @@ def value(metrics: OperatorMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def writes_by_verb(metrics: OperatorMetrics) -> dict[str, float]:
+def requests_by_verb(metrics: OperatorMetrics) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in metrics.registry.collect():
-        if family.name == "omnimodel_operator_api_writes":
+        if family.name == "omnimodel_operator_api_requests":
             for s in family.samples:
                 if s.name.endswith("_total"):
                     out[s.labels["verb"]] = out.get(s.labels["verb"], 0.0) + s.value
@@ -88,34 +88,40 @@ def kube() -> FakeKube:
     return FakeKube()
 
 
-# ---------------------------------------------------------------------------------- writes (CountingKube)
+# -------------------------------------------------------------------------- requests (InstrumentedKube)
 
 
-async def test_writes_are_counted_by_verb_as_the_api_server_took_them(kube: FakeKube, metrics: OperatorMetrics) -> None:
+async def run(client: Any, kube: FakeKube, name: str) -> Any:
+    return await reconcile(client, body(kube, name), kube.snapshot(name), SETTINGS)
+
+
+async def test_requests_are_counted_by_verb_as_the_api_server_took_them(
+    kube: FakeKube, metrics: OperatorMetrics
+) -> None:
     kube.put(example("qwen-omni.yaml"))
-    outcome = await reconcile(CountingKube(kube, metrics), body(kube, "qwen-omni"), SETTINGS)
-    by_verb = Tally(verb for verb, _, _ in kube.writes)
-    assert writes_by_verb(metrics) == {
+    outcome = await run(InstrumentedKube(kube, metrics), kube, "qwen-omni")
+    by_verb = Tally(verb for verb, _, _ in kube.requests)
+    assert requests_by_verb(metrics) == {
+        "get": by_verb["get"],  # each child the cache did not show is looked up once (name conflicts)
         "apply": len(outcome.applied),
         "status": 1,
         "event": by_verb["create"],  # the only objects reconcile creates are Events
     }
-    assert by_verb["apply"] == len(outcome.applied) == 13
-    deployments = sum(1 for verb, kind, _ in kube.writes if (verb, kind) == ("apply", "Deployment"))
-    assert value(metrics, "omnimodel_operator_api_writes_total", verb="apply", kind="Deployment") == deployments == 4
-    assert value(metrics, "omnimodel_operator_api_writes_total", verb="status", kind="OmniModel") == 1
+    assert by_verb["apply"] == len(outcome.applied) == by_verb["get"] == 14
+    deployments = sum(1 for verb, kind, _ in kube.requests if (verb, kind) == ("apply", "Deployment"))
+    assert value(metrics, "omnimodel_operator_api_requests_total", verb="apply", kind="Deployment") == deployments == 4
+    assert value(metrics, "omnimodel_operator_api_requests_total", verb="status", kind="OmniModel") == 1
 
 
-async def test_a_no_op_pass_adds_no_write_counts(kube: FakeKube, metrics: OperatorMetrics) -> None:
+async def test_a_no_op_pass_adds_no_request_counts(kube: FakeKube, metrics: OperatorMetrics) -> None:
     kube.put(example("qwen-omni.yaml"))
-    client = CountingKube(kube, metrics)
-    await reconcile(client, body(kube, "qwen-omni"), SETTINGS)
+    client = InstrumentedKube(kube, metrics)
+    await run(client, kube, "qwen-omni")
     mark_rolled_out(kube)
-    await reconcile(client, body(kube, "qwen-omni"), SETTINGS)  # Ready: a status write and an event
-    before = writes_by_verb(metrics)
-    for status_only in (False, True):
-        await reconcile(client, body(kube, "qwen-omni"), SETTINGS, status_only=status_only)
-    assert writes_by_verb(metrics) == before
+    await run(client, kube, "qwen-omni")  # Ready: a status write and an event
+    before = requests_by_verb(metrics)
+    await run(client, kube, "qwen-omni")
+    assert requests_by_verb(metrics) == before
 
 
 async def test_pruning_counts_deletes(kube: FakeKube, metrics: OperatorMetrics) -> None:
@@ -123,31 +129,25 @@ async def test_pruning_counts_deletes(kube: FakeKube, metrics: OperatorMetrics) 
     extra = {"name": "extra", "kind": "ar", "engine": "transformers", "task": "text-generation", "inputs": ["generate"]}
     doc["spec"]["stages"].append(extra)
     kube.put(doc)
-    client = CountingKube(kube, metrics)
-    await reconcile(client, body(kube, "custom-chat"), SETTINGS)
-    assert "delete" not in writes_by_verb(metrics)
+    client = InstrumentedKube(kube, metrics)
+    await run(client, kube, "custom-chat")
+    assert "delete" not in requests_by_verb(metrics)
     om = kube.find("OmniModel", "custom-chat", "ml")
     assert om is not None
     om["spec"]["stages"].pop()  # its Deployment, Service and NetworkPolicy go
-    outcome = await reconcile(client, body(kube, "custom-chat"), SETTINGS)
+    outcome = await run(client, kube, "custom-chat")
     assert len(outcome.deleted) == 3
-    assert writes_by_verb(metrics)["delete"] == 3
-    assert value(metrics, "omnimodel_operator_api_writes_total", verb="delete", kind="Deployment") == 1
+    assert requests_by_verb(metrics)["delete"] == 3
+    assert value(metrics, "omnimodel_operator_api_requests_total", verb="delete", kind="Deployment") == 1
 
 
-class RefusingApply(FakeKube):
-    """An API server that takes reads but refuses every apply (an admission webhook says no)."""
-
-    async def apply(self, manifest: dict[str, Any], field_manager: str) -> dict[str, Any]:
-        raise ApiError(422, "Invalid", "denied by webhook")
-
-
-async def test_a_refused_write_is_not_counted(metrics: OperatorMetrics) -> None:
-    kube = RefusingApply()
+async def test_a_refused_write_is_not_counted(kube: FakeKube, metrics: OperatorMetrics) -> None:
     kube.put(example("text-tiny.yaml"))
-    with pytest.raises(ApiError):
-        await reconcile(CountingKube(kube, metrics), body(kube, "text-tiny"), SETTINGS)
-    assert writes_by_verb(metrics) == {}
+    for kind in ("ConfigMap", "ServiceAccount", "Service", "Deployment", "NetworkPolicy"):
+        kube.refuse[("apply", kind)] = ApiError(422, "Invalid", "denied by webhook")
+    outcome = await run(InstrumentedKube(kube, metrics), kube, "text-tiny")
+    assert len(outcome.errors) == 7  # every child of text-tiny
+    assert "apply" not in requests_by_verb(metrics)
 
 
 # --------------------------------------------------------------------------------- passes and duration
@@ -164,11 +164,11 @@ async def test_a_refused_write_is_not_counted(metrics: OperatorMetrics) -> None:
 def test_a_failed_pass_is_counted_by_cause_and_re_raised(
     metrics: OperatorMetrics, error: Exception, result: str
 ) -> None:
-    with pytest.raises(type(error)), metrics.reconcile_pass("spec"):
+    with pytest.raises(type(error)), metrics.reconcile_pass("omnimodel"):
         raise error
-    assert passes(metrics, "spec", result) == 1
-    assert passes(metrics, "spec") == 0
-    assert value(metrics, "omnimodel_operator_reconcile_duration_seconds_count", trigger="spec") == 1
+    assert passes(metrics, "omnimodel", result) == 1
+    assert passes(metrics, "omnimodel") == 0
+    assert value(metrics, "omnimodel_operator_reconcile_duration_seconds_count", trigger="omnimodel") == 1
 
 
 def test_a_cancelled_pass_has_no_result(metrics: OperatorMetrics) -> None:
@@ -180,7 +180,7 @@ def test_a_cancelled_pass_has_no_result(metrics: OperatorMetrics) -> None:
 def test_series_exist_before_the_first_pass(metrics: OperatorMetrics) -> None:
     """rate() and absent() alerts need the series before anything happens."""
     text = MetricsText.of(metrics)
-    for trigger in ("spec", "resync", "child_event"):
+    for trigger in ("omnimodel", "child", "resync", "retry"):
         assert text.sample("omnimodel_operator_reconciles_total", trigger=trigger, result="ok") == 0
     assert {
         ready: text.sample("omnimodel_operator_omnimodels", ready=ready) for ready in ("True", "False", "Unknown")
@@ -205,81 +205,14 @@ def test_ready_counts() -> None:
 # kopf's decorators type the handlers as kopf callbacks (every kwarg kopf passes); tests pass only what
 # they use, as kopf's `**_` allows.
 start_metrics: Any = handlers.start_metrics
-stop_metrics: Any = handlers.stop_metrics
+stop: Any = handlers.stop
 
 
-def kopf_body(obj: dict[str, Any]) -> kopf.Body:
-    return kopf.Body(cast("kopf.RawBody", obj))
-
-
-@pytest.fixture
-def wired(kube: FakeKube, metrics: OperatorMetrics, monkeypatch: pytest.MonkeyPatch) -> OperatorMetrics:
-    """handlers with the fake API server and a fresh registry."""
-    monkeypatch.setattr(handlers, "METRICS", metrics)
-    monkeypatch.setitem(handlers._state, "client", kube)
-    # Per-object locks bind to the event loop that first waits on them; each test has its own loop.
-    monkeypatch.setattr(handlers, "_locks", defaultdict(asyncio.Lock))
-    return metrics
-
-
-async def test_resync_counts_passes_and_refreshes_the_ready_gauge(kube: FakeKube, wired: OperatorMetrics) -> None:
-    kube.put(example("text-tiny.yaml"))
-    kube.put(example("qwen-omni.yaml"))
-    await handlers.resync_once(["ml"], LOGGER)
-    assert passes(wired, "resync") == 2
-    assert value(wired, "omnimodel_operator_reconcile_duration_seconds_count", trigger="resync") == 2
-    assert value(wired, "omnimodel_operator_omnimodels", ready="False") == 2
-    assert writes_by_verb(wired)["apply"] > 0
-
-    mark_rolled_out(kube)
-    await handlers.resync_once(["ml"], LOGGER)
-    assert value(wired, "omnimodel_operator_omnimodels", ready="True") == 2
-    assert value(wired, "omnimodel_operator_omnimodels", ready="False") == 0  # replaced, not stale
-
-    before = writes_by_verb(wired)
-    await handlers.resync_once(["ml"], LOGGER)  # steady state
-    assert passes(wired, "resync") == 6
-    assert writes_by_verb(wired) == before
-
-
-async def test_an_invalid_spec_is_its_own_result(kube: FakeKube, wired: OperatorMetrics) -> None:
-    doc = example("text-tiny.yaml")
-    doc["spec"]["stages"] = [{"name": "no-such-stage"}]
-    kube.put(doc)
-    await handlers.resync_once(["ml"], LOGGER)
-    assert passes(wired, "resync", "invalid_spec") == 1
-    assert passes(wired, "resync") == 0
-    assert value(wired, "omnimodel_operator_omnimodels", ready="False") == 1
-
-
-async def test_spec_and_child_event_passes_are_told_apart(kube: FakeKube, wired: OperatorMetrics) -> None:
-    kube.put(example("text-tiny.yaml"))
-    await handlers._run(kopf_body(body(kube, "text-tiny")), LOGGER, "spec")
-    writes = writes_by_verb(wired)
-    mark_rolled_out(kube)
-    await handlers._run(kopf_body(body(kube, "text-tiny")), LOGGER, "child_event")
-    assert passes(wired, "spec") == 1
-    assert passes(wired, "child_event") == 1
-    # a child event refreshes status only: the Ready flip, never an apply
-    after = writes_by_verb(wired)
-    assert after["apply"] == writes["apply"]
-    assert after["status"] == writes["status"] + 1
-
-
-async def test_a_deleted_omnimodel_counts_as_not_found(kube: FakeKube, wired: OperatorMetrics) -> None:
-    kube.put(example("text-tiny.yaml"))
-    gone = body(kube, "text-tiny")
-    kube.remove(gone["apiVersion"], gone["kind"], "ml", "text-tiny")
-    assert await handlers._run(kopf_body(gone), LOGGER, "spec") is None
-    assert passes(wired, "spec", "not_found") == 1
-
-
-async def test_a_transient_api_error_is_counted_and_retried(kube: FakeKube, wired: OperatorMetrics) -> None:
-    kube.put(example("text-tiny.yaml"))
-    kube.fail_next = [ApiError(503, "ServiceUnavailable", "busy")]
-    with pytest.raises(kopf.TemporaryError):
-        await handlers._run(kopf_body(body(kube, "text-tiny")), LOGGER, "spec")
-    assert passes(wired, "spec", "api_error") == 1
+def memo_with(port: int) -> kopf.Memo:
+    memo = kopf.Memo()
+    memo.settings = OperatorSettings(metrics_port=port)
+    memo.metrics = OperatorMetrics()
+    return memo
 
 
 # ------------------------------------------------------------------------------------ /metrics over HTTP
@@ -315,14 +248,14 @@ def _listening(port: int) -> bool:
 
 
 def test_server_serves_the_registry_and_frees_its_port(metrics: OperatorMetrics) -> None:
-    metrics.reconciles.labels("spec", "ok").inc(3)
+    metrics.reconciles.labels("omnimodel", "ok").inc(3)
     server = MetricsServer(metrics.registry, 0, "127.0.0.1")
     port = server.port
     try:
         text = MetricsText.get(port)
     finally:
         server.close()
-    assert text.sample("omnimodel_operator_reconciles_total", trigger="spec", result="ok") == 3
+    assert text.sample("omnimodel_operator_reconciles_total", trigger="omnimodel", result="ok") == 3
     # Its own registry: nothing from the process-wide default one (python_gc_*, process_*).
     assert not [s for s in text.samples if not s.name.startswith("omnimodel_operator_")]
     assert not _listening(port)
@@ -335,37 +268,34 @@ def _free_port() -> int:
         return port
 
 
-async def test_startup_serves_metrics_and_cleanup_stops_them(
-    wired: OperatorMetrics, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_startup_serves_metrics_and_cleanup_stops_them() -> None:
     port = _free_port()
-    monkeypatch.setattr(handlers, "SETTINGS", OperatorSettings(metrics_port=port))
-    start_metrics(logger=LOGGER)
+    memo = memo_with(port)
+    start_metrics(memo=memo, logger=LOGGER)
     try:
         # The HTTP round trip runs off the loop: the server thread answers while the test awaits.
         text = await asyncio.to_thread(MetricsText.get, port)
     finally:
-        await stop_metrics()
+        await stop(memo=memo)
     assert text.sample("omnimodel_operator_reconciles_total", trigger="resync", result="ok") == 0
-    assert "metrics" not in handlers._state
     assert not _listening(port)
 
 
-def test_port_zero_serves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers, "SETTINGS", OperatorSettings(metrics_port=0))
-    start_metrics(logger=LOGGER)
-    assert "metrics" not in handlers._state
+def test_port_zero_serves_nothing() -> None:
+    memo = memo_with(0)
+    start_metrics(memo=memo, logger=LOGGER)
+    assert "metrics_server" not in memo
 
 
-def test_a_taken_port_stops_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_taken_port_stops_the_operator() -> None:
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.setattr(handlers, "SETTINGS", OperatorSettings(metrics_port=port))
+        memo = memo_with(port)
         with pytest.raises(kopf.PermanentError, match=f"Cannot serve metrics on port {port}"):
-            start_metrics(logger=LOGGER)
-    assert "metrics" not in handlers._state
+            start_metrics(memo=memo, logger=LOGGER)
+    assert "metrics_server" not in memo
 
 
 # ------------------------------------------------------------------------------------------- settings

@@ -1,0 +1,296 @@
+"""Status from live objects: per-component rollout state, then the OmniModel's conditions.
+
+Pure functions over plain manifests, so every transition (rollout, stuck rollout, lost capacity, scale
+to zero, apply failure, name conflict) is unit-testable. The result is the schema model
+(:class:`~omnimodel_operator.api.v1alpha1.OmniModelStatus`), so what the operator writes is checked
+against what the CRD documents.
+
+Condition semantics (the choices DESIGN left open):
+
+- **Ready** is True when every stage and the gateway run the current spec with all desired pods
+  available, nothing failed to apply, and at least one output modality can be served. A stage the
+  user scaled to 0 does not make the model unready while another modality still works (text with the
+  talker at 0): reason ``StagesScaledToZero`` names what is unavailable; when nothing can be served
+  (gateway or every path at 0) Ready is False with ``ScaledToZero``.
+- **Progressing** is True while a rollout or scale-up is under way *or stuck*, with the reason:
+  ``InsufficientCapacity`` (pods cannot be scheduled), ``ProgressDeadlineExceeded`` (the Deployment
+  controller gave up waiting), ``PodsNotReady`` (new pods run but never became ready), ``Updating``.
+- **Degraded** is True only for lost capacity: a component whose last rollout completed and that has
+  lost pods since, without a spec change (a crashed or evicted pod that does not come back). It stays
+  True until the component is whole again, and is never set while a rollout or a scale-up waits for
+  new pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omnimodel_operator import conditions as cond
+from omnimodel_operator import constants as C
+from omnimodel_operator import naming
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, ComponentStatus, OmniModelStatus, StageStatus
+from omnimodel_operator.resolve import Plan
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ComponentState:
+    """Rollout state of one Deployment (a stage or the gateway)."""
+
+    name: str
+    desired: int = 0
+    ready: int = 0
+    updated: int = 0
+    available: int = 0
+    # None when rolled out and available; else why not (one of conditions.REASON_PRIORITY).
+    reason: str | None = cond.UPDATING
+    message: str = ""
+    # Lost capacity (see the module docstring) rather than a rollout still under way.
+    degraded: bool = False
+
+    @property
+    def is_ready(self) -> bool:
+        return self.reason is None
+
+
+def _unschedulable(pods: Iterable[Manifest]) -> str | None:
+    for pod in pods:
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return str(c.get("message") or "pod cannot be scheduled")
+    return None
+
+
+def _waiting_reason(pods: Iterable[Manifest]) -> str | None:
+    """A container stuck waiting (ImagePullBackOff, CrashLoopBackOff) explains a not-ready stage best."""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting")
+            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+                return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    return None
+
+
+def _progress_reason(deployment: Manifest) -> str | None:
+    for c in (deployment.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Progressing":
+            return str(c.get("reason") or "")
+    return None
+
+
+def _deadline_exceeded(deployment: Manifest) -> str | None:
+    for c in (deployment.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return str(c.get("message") or "progress deadline exceeded")
+    return None
+
+
+def component_state(name: str, deployment: Manifest | None, pods: Sequence[Manifest]) -> ComponentState:
+    """One Deployment's state.
+
+    Lost capacity is told from capacity not yet reached by the Deployment controller's own record:
+    its Progressing condition keeps reason ``NewReplicaSetAvailable`` from the last completed rollout
+    until a rollout or scale-up makes progress again, so pods missing while it still says so were lost,
+    not yet to come.
+    """
+    if deployment is None:
+        return ComponentState(name, reason=cond.UPDATING, message=f"{name}: Deployment not created yet")
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    ready = int(status.get("readyReplicas", 0))
+    updated = int(status.get("updatedReplicas", 0))
+    available = int(status.get("availableReplicas", 0))
+    total = int(status.get("replicas", 0))
+    generation = deployment["metadata"].get("generation", 0)
+    observed = int(status.get("observedGeneration", 0))
+    counts = (desired, ready, updated, available)
+    template_current = observed >= generation and updated == desired and total == desired
+    if template_current and available == desired:
+        return ComponentState(name, *counts, reason=None)
+
+    degraded = template_current and _progress_reason(deployment) == "NewReplicaSetAvailable"
+    unschedulable = _unschedulable(pods)
+    if unschedulable:
+        return ComponentState(
+            name, *counts, cond.INSUFFICIENT_CAPACITY, f"{name}: pods cannot be scheduled: {unschedulable}", degraded
+        )
+    deadline = _deadline_exceeded(deployment)
+    if deadline:
+        return ComponentState(name, *counts, cond.PROGRESS_DEADLINE_EXCEEDED, f"{name}: {deadline}", degraded)
+    if not template_current:
+        return ComponentState(
+            name, *counts, cond.UPDATING,
+            f"{name}: rolling out, {updated}/{desired} updated, {available}/{desired} available",
+        )  # fmt: skip
+    waiting = _waiting_reason(pods)
+    detail = f" ({waiting})" if waiting else ""
+    return ComponentState(
+        name, *counts, cond.PODS_NOT_READY, f"{name}: {available}/{desired} pods available{detail}", degraded
+    )
+
+
+def _stage_reason(state: ComponentState) -> str:
+    if state.degraded:
+        return cond.CAPACITY_LOST
+    if state.reason is None:
+        return cond.SCALED_TO_ZERO if state.desired == 0 else cond.STAGE_READY
+    return state.reason
+
+
+def _accelerator_text(plan: Plan, stage: str) -> str:
+    acc = plan.pipeline.stage(stage).accelerator
+    if acc.count == 0:
+        return "cpu"
+    return f"{acc.count}x {acc.vendor.value}" + (f" {acc.product}" if acc.product else "")
+
+
+def autoscaler_status(hpa: Manifest | None) -> AutoscalerStatus | None:
+    if hpa is None:
+        return None
+    status = hpa.get("status") or {}
+    return AutoscalerStatus(
+        kind=hpa["kind"],
+        name=hpa["metadata"]["name"],
+        current_replicas=int(status.get("currentReplicas", 0)),
+        desired_replicas=int(status.get("desiredReplicas", 0)),
+    )
+
+
+@dataclass(frozen=True)
+class Problems:
+    """What went wrong outside the children's own state: apply failures and name conflicts."""
+
+    apply_errors: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
+
+
+def _worst(states: Sequence[ComponentState]) -> ComponentState:
+    return min(states, key=lambda c: cond.REASON_PRIORITY.index(c.reason or cond.UPDATING))
+
+
+def compute_status(
+    plan: Plan,
+    stages: Sequence[ComponentState],
+    gateway: ComponentState,
+    hpas: Mapping[str, Manifest],
+    old: OmniModelStatus,
+    generation: int | None,
+    now: str,
+    problems: Problems | None = None,
+) -> OmniModelStatus:
+    """Roll component state up into conditions and the per-stage table."""
+    problems = problems or Problems()
+    conditions: list[dict[str, Any]] = [c.model_dump(by_alias=True) for c in old.conditions or ()]
+
+    def put(type_: str, status: bool, reason: str, message: str) -> None:
+        nonlocal conditions
+        conditions = cond.set_condition(conditions, type_, status, reason, message, generation, now)
+
+    components = [*stages, gateway]
+    not_ready = [c for c in components if not c.is_ready]
+    at_zero = {s.name for s in stages if s.is_ready and s.desired == 0}
+    servable = [
+        m for m in plan.pipeline.modalities if not any(s.name in at_zero for s in plan.pipeline.stages_for([m]))
+    ]
+    if gateway.is_ready and gateway.desired == 0:
+        servable = []
+    if problems.conflicts:
+        put(cond.READY, False, cond.NAME_CONFLICT, "; ".join(problems.conflicts))
+    elif problems.apply_errors:
+        put(cond.READY, False, cond.RECONCILE_ERROR, "; ".join(problems.apply_errors))
+    elif not_ready:
+        worst = _worst(not_ready)
+        put(cond.READY, False, worst.reason or cond.UPDATING, "; ".join(c.message for c in not_ready))
+    elif not servable:
+        put(cond.READY, False, cond.SCALED_TO_ZERO, "nothing can be served: " + _zero_text(gateway, at_zero))
+    elif at_zero:
+        lost = [m.value for m in plan.pipeline.modalities if m not in servable]
+        put(
+            cond.READY, True, cond.STAGES_SCALED_TO_ZERO,
+            f"serving {', '.join(m.value for m in servable)}; {', '.join(lost)} output needs "
+            f"{', '.join(sorted(at_zero))} (scaled to 0)",
+        )  # fmt: skip
+    else:
+        put(cond.READY, True, cond.ALL_READY, f"{len(stages)} stage(s) and the gateway are available")
+
+    progressing = [c for c in components if not c.is_ready and not c.degraded]
+    if problems.conflicts:
+        put(cond.PROGRESSING, False, cond.NAME_CONFLICT, "nothing applied: a child name is taken")
+    elif progressing:
+        worst = _worst(progressing)
+        put(cond.PROGRESSING, True, worst.reason or cond.UPDATING, "; ".join(c.message for c in progressing))
+    else:
+        put(cond.PROGRESSING, False, cond.ROLLOUT_COMPLETE, "every stage runs the current spec")
+
+    degraded = [c for c in components if c.degraded]
+    if degraded:
+        put(cond.DEGRADED, True, _worst(degraded).reason or "", "; ".join(c.message for c in degraded))
+    else:
+        put(cond.DEGRADED, False, cond.AS_EXPECTED, "")
+
+    table = [
+        StageStatus(
+            name=s.name,
+            replicas=s.desired,
+            ready_replicas=s.ready,
+            updated_replicas=s.updated,
+            available_replicas=s.available,
+            reason=_stage_reason(s),
+            accelerator=_accelerator_text(plan, s.name),
+            service=f"http://{naming.stage_name(plan.name, s.name)}.{plan.namespace}.svc:{C.STAGE_PORT}",
+            message="" if s.is_ready else s.message,
+            autoscaler=autoscaler_status(hpas.get(s.name)),
+        )
+        for s in stages
+    ]
+    ready_count = sum(1 for s in stages if s.is_ready)
+    return OmniModelStatus.model_validate(
+        {
+            "observedGeneration": generation,
+            "conditions": conditions,
+            "stages": [t.model_dump(by_alias=True, exclude_none=True) for t in table],
+            "gateway": ComponentStatus(
+                replicas=gateway.desired,
+                ready_replicas=gateway.ready,
+                updated_replicas=gateway.updated,
+                available_replicas=gateway.available,
+                reason=_stage_reason(gateway),
+                message="" if gateway.is_ready else gateway.message,
+            ).model_dump(by_alias=True),
+            "readyStages": f"{ready_count}/{len(stages)}",
+            "endpoint": plan.endpoint,
+            "servedModalities": [m.value for m in servable],
+        }
+    )
+
+
+def _zero_text(gateway: ComponentState, at_zero: Iterable[str]) -> str:
+    if gateway.desired == 0:
+        return "the gateway is scaled to 0"
+    return f"{', '.join(sorted(at_zero))} scaled to 0"
+
+
+def invalid_status(message: str, old: OmniModelStatus, generation: int | None, now: str) -> OmniModelStatus:
+    """Ready=False/InvalidSpec; children and the last good stage table are left as they were."""
+    conditions = cond.set_condition(
+        [c.model_dump(by_alias=True) for c in old.conditions or ()],
+        cond.READY, False, cond.INVALID_SPEC, message, generation, now,
+    )  # fmt: skip
+    conditions = cond.set_condition(
+        conditions, cond.PROGRESSING, False, cond.INVALID_SPEC, "nothing applied: the spec is invalid",
+        generation, now,
+    )  # fmt: skip
+    return old.model_copy(update={"observed_generation": generation, "conditions": _conditions(conditions)})
+
+
+def _conditions(raw: Sequence[Mapping[str, Any]]) -> list[Any]:
+    return OmniModelStatus.model_validate({"conditions": list(raw)}).conditions or []
+
+
+def status_dict(status: OmniModelStatus) -> dict[str, Any]:
+    """The JSON written to the status subresource (camelCase, unset fields left out)."""
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
