@@ -126,6 +126,30 @@ def release(cluster: ClusterHandle) -> Iterator[Release]:
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
+def test_a_second_release_shares_the_crd_without_taking_it_over(release: Release) -> None:
+    """Two operators in one cluster (say a team's namespace each): the second install succeeds, its
+    RBAC covers its own namespaces, and the CRD stays with the first release."""
+    suffix = uuid.uuid4().hex[:6]
+    second = Release(release.cluster, f"chart-e2e-b-{suffix}", f"chart-e2e-ml-b-{suffix}")
+    for ns in (second.namespace, second.watched):
+        release.cluster.kubectl("create", "namespace", ns)
+    try:
+        out = second.helm(
+            "install", RELEASE, str(CHART), "--wait", "--timeout=120s", f"--set=watchNamespaces={{{second.watched}}}"
+        ).stdout
+        assert "already exists under another owner" in out
+        annotations = release.get("crd", CRD)["metadata"]["annotations"]
+        assert annotations["meta.helm.sh/release-namespace"] == release.namespace
+        assert second.can_i("patch", "deployments.apps", second.watched)
+        assert not second.can_i("patch", "deployments.apps", release.watched)
+        assert release.get("deployment", FULLNAME, "-n", second.namespace)["status"].get("availableReplicas") == 1
+    finally:
+        second.helm("uninstall", RELEASE, "--wait", check=False)
+        for ns in (second.watched, second.namespace):
+            release.cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    assert release.get("crd", CRD) is not None  # the second release's uninstall left it alone
+
+
 def test_install_creates_the_operator_objects(release: Release) -> None:
     deployment = release.get("deployment", FULLNAME, "-n", release.namespace)
     assert deployment["spec"]["replicas"] == 1

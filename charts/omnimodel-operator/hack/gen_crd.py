@@ -42,7 +42,7 @@ def render_template() -> str:
     spec = yaml.safe_dump(crd["spec"], sort_keys=False, width=120)
     return (
         HEADER
-        + "{{- if .Values.crds.enabled }}\n"
+        + '{{- if eq (include "omnimodel-operator.managesCrd" .) "true" }}\n'
         + f"apiVersion: {crd['apiVersion']}\n"
         + f"kind: {crd['kind']}\n"
         + "metadata:\n"

@@ -146,3 +146,19 @@ itself (omnimodel_operator.settings.DEFAULT_RUNTIME_IMAGES); runtime.images repl
 {{- end }}
 {{- $images | toJson }}
 {{- end }}
+
+{{/*
+Whether this release installs and upgrades the OmniModel CRD: crds.enabled, and the CRD is not already
+there under another owner. One CRD serves every release in a cluster; a second release (another
+namespace, other watchNamespaces) leaves it to the release that has it, instead of failing on Helm's
+ownership check. `helm template` cannot look (no cluster) and renders it.
+*/}}
+{{- define "omnimodel-operator.managesCrd" -}}
+{{- if .Values.crds.enabled -}}
+{{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "omnimodels.omnimodel.io" | default dict -}}
+{{- $annotations := dig "metadata" "annotations" dict $crd -}}
+{{- if or (not $crd) (and (eq (get $annotations "meta.helm.sh/release-name") .Release.Name) (eq (get $annotations "meta.helm.sh/release-namespace") .Release.Namespace)) -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end }}
