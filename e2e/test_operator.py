@@ -315,7 +315,32 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
         _custom([_stage("a", inputs=["b"], outputs=["text"]), _stage("b", inputs=["a"])]),
         ["spec.stages", "no cycle"],
     ),
+    (
+        "unknown task",
+        _custom([{"name": "a", "kind": "ar", "engine": "vllm", "task": "text-gen", "outputs": ["text"]}]),
+        ["spec.stages[0].task", "Unsupported value"],
+    ),
+    (
+        "task the engine does not run",
+        _custom([{"name": "a", "kind": "ar", "engine": "vllm", "task": "t2i-decode", "outputs": ["image"]}]),
+        ["spec.stages[0].task", "the engine does not run this task"],
+    ),
+    (
+        "reserved stage name",
+        _custom([{"name": "gateway", "kind": "ar", "engine": "vllm", "task": "text-generation", "outputs": ["text"]}]),
+        ["spec.stages[0].name", "reserved"],
+    ),
 ]
+
+
+def test_autoscaling_needs_only_max_replicas(kube: Kube) -> None:
+    """minReplicas defaults to 1 and target per metric: the CEL rule must not demand either."""
+    doc = _bad(lambda s: s["stages"][1].update(autoscaling={"maxReplicas": 3}))
+    doc["metadata"]["name"] = "scaled"
+    kube.apply(doc)
+    hpa = wait_for(lambda: kube.get("hpa", "scaled-talker"), 30, what="the talker's HPA")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "4"
 
 
 @pytest.mark.parametrize(("case", "doc", "expected"), REJECTIONS, ids=[r[0] for r in REJECTIONS])
