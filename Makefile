@@ -61,6 +61,10 @@ test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component
 	$(PY) -m pytest tests e2e --ignore=e2e/serving $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory e2e-serving
 
+.PHONY: vllm-omni-env
+vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
+	e2e/vllm_omni/setup-env
+
 .PHONY: render
 render: ## Render every example to stdout, as the operator would apply it
 	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
