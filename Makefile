@@ -63,7 +63,7 @@ test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component
 
 .PHONY: vllm-omni-env
 vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
-	e2e/vllm_omni/setup-env
+	e2e/vllm-omni/setup-env
 
 .PHONY: render
 render: ## Render every example to stdout, as the operator would apply it

@@ -1,6 +1,6 @@
 """The cached vLLM-Omni CPU environment, as the test bed's pod runner uses it.
 
-``e2e/vllm_omni/setup-env`` owns building it (pins in ``e2e/vllm_omni/pins.env``); this module only asks
+``e2e/vllm-omni/setup-env`` owns building it (pins in ``e2e/vllm-omni/pins.env``); this module only asks
 it for the directory (a no-op taking milliseconds once built) and says how a pod process runs in it.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 __all__ = ["VLLM_OMNI_CPU_ENV", "VllmOmniEnvError", "ensure_env", "setup_script"]
 
-#: Environment a vLLM-Omni process needs on this CPU-only machine (see e2e/vllm_omni/README.md):
+#: Environment a vLLM-Omni process needs on this CPU-only machine (see e2e/vllm-omni/README.md):
 #: our CPU platform plugin switched on, no CPU pinning (cores are shared), a small KV cache (GiB of host
 #: memory per engine), and no hub access (models are local tiny ones).
 VLLM_OMNI_CPU_ENV: dict[str, str] = {
@@ -31,8 +31,8 @@ class VllmOmniEnvError(RuntimeError):
 
 
 def setup_script() -> Path:
-    """``e2e/vllm_omni/setup-env`` of this checkout."""
-    return Path(__file__).resolve().parent.parent / "vllm_omni" / "setup-env"
+    """``e2e/vllm-omni/setup-env`` of this checkout."""
+    return Path(__file__).resolve().parent.parent / "vllm-omni" / "setup-env"
 
 
 @functools.cache
