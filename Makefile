@@ -65,6 +65,17 @@ test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component
 vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
 	e2e/vllm-omni/setup-env
 
+VLLM_OMNI_CATALOGUE := operator/omnimodel_operator/vllm_omni/catalogue.json
+
+.PHONY: vllm-omni-catalogue vllm-omni-catalogue-check
+vllm-omni-catalogue: ## Regenerate the operator's vLLM-Omni deploy-config catalogue from vLLM-Omni's own code
+	"$$(e2e/vllm-omni/setup-env)/bin/python" e2e/vllm-omni/gen_catalogue.py $(VLLM_OMNI_CATALOGUE)
+
+vllm-omni-catalogue-check: ## Fail when the committed vLLM-Omni catalogue differs from what the pinned vLLM-Omni generates
+	@env_dir="$$(e2e/vllm-omni/setup-env)" && tmp="$$(mktemp)" && trap 'rm -f "$$tmp"' EXIT && \
+	"$$env_dir/bin/python" e2e/vllm-omni/gen_catalogue.py "$$tmp" && \
+	diff -u $(VLLM_OMNI_CATALOGUE) "$$tmp" && echo "vllm-omni catalogue: up to date"
+
 .PHONY: render
 render: ## Render every example to stdout, as the operator would apply it
 	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
