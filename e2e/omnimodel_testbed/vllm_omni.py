@@ -7,11 +7,21 @@ it for the directory (a no-op taking milliseconds once built) and says how a pod
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["VLLM_OMNI_CPU_ENV", "VllmOmniEnvError", "ensure_env", "setup_script"]
+__all__ = [
+    "VLLM_OMNI_CPU_ENV",
+    "CommandLineVerdict",
+    "VllmOmniEnvError",
+    "ensure_env",
+    "setup_script",
+    "validate_command_lines",
+]
 
 #: Environment a vLLM-Omni process needs on this CPU-only machine (see e2e/vllm-omni/README.md):
 #: our CPU platform plugin switched on, no CPU pinning (cores are shared), a small KV cache (GiB of host
@@ -48,3 +58,42 @@ def ensure_env() -> Path:
     if not (env / "bin" / "vllm").exists():
         raise VllmOmniEnvError(f"{env} has no bin/vllm")
     return env
+
+
+@dataclass(frozen=True)
+class CommandLineVerdict:
+    """What vLLM-Omni's own serve parser said about one argv (see e2e/vllm-omni/validate_cmdline.py)."""
+
+    argv: tuple[str, ...]
+    ok: bool
+    flag: str | None
+    message: str
+
+
+def validate_command_lines(argvs: Sequence[Sequence[str]]) -> list[CommandLineVerdict]:
+    """Parse and validate each ``vllm serve ... --omni`` argv with vLLM-Omni's parser, in its environment.
+
+    One process for all of them (vLLM-Omni's import takes tens of seconds); verdicts in input order.
+    """
+    script = setup_script().parent / "validate_cmdline.py"
+    payload = json.dumps([list(a) for a in argvs])
+    proc = subprocess.run(
+        [str(ensure_env() / "bin" / "python"), str(script), "-"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok  [", "error: "))]
+    if proc.returncode not in (0, 1) or len(lines) != len(argvs):
+        raise VllmOmniEnvError(f"{script} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    verdicts = []
+    for argv, line in zip(argvs, lines, strict=True):
+        if line.startswith("ok  ["):
+            verdicts.append(CommandLineVerdict(tuple(argv), True, None, ""))
+            continue
+        flag, _, message = line.removeprefix("error: ").partition(": ")
+        verdicts.append(
+            CommandLineVerdict(tuple(argv), False, None if flag == "-" else flag, message.rsplit("  [", 1)[0])
+        )
+    return verdicts
