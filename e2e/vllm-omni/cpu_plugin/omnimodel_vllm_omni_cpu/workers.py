@@ -45,7 +45,19 @@ class _CpuOmniWorker(OmniWorkerMixin, CPUWorker):
         # with the omni runner (as vLLM-Omni's XPU worker does). The omni hooks need the v1 runner.
         self.use_v2_model_runner = False
         super().init_device()
+        if "Qwen2_5Omni" in str(getattr(self.vllm_config.model_config, "architectures", "")):
+            _default_qwen2_5_omni_voice()
         self.model_runner = self.model_runner_cls(self.vllm_config, self.device)
+
+
+def _default_qwen2_5_omni_voice() -> None:
+    """Qwen2.5-Omni's talker reads ``self.voice_type``, which 0.30.0 sets only inside ``forward()``; the
+    CPU runner calls into the talker before the first forward. The class default is the value ``forward``
+    would set, so the AttributeError goes away and nothing else changes."""
+    from vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni import Qwen2_5OmniForConditionalGeneration
+
+    if "voice_type" not in vars(Qwen2_5OmniForConditionalGeneration):
+        Qwen2_5OmniForConditionalGeneration.voice_type = "Chelsie"  # type: ignore[attr-defined]
 
 
 class CpuARWorker(_CpuOmniWorker):
