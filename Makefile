@@ -60,6 +60,7 @@ e2e-serving: cluster-build ## Real requests through gateway and stage pods (own 
 test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
 	$(PY) -m pytest tests e2e --ignore=e2e/serving $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory e2e-serving
+	$(MAKE) --no-print-directory vllm-omni-catalogue-check
 
 .PHONY: vllm-omni-env
 vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
