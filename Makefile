@@ -60,6 +60,22 @@ e2e-serving: cluster-build ## Real requests through gateway and stage pods (own 
 test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
 	$(PY) -m pytest tests e2e --ignore=e2e/serving $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory e2e-serving
+	$(MAKE) --no-print-directory vllm-omni-catalogue-check
+
+.PHONY: vllm-omni-env
+vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
+	e2e/vllm-omni/setup-env
+
+VLLM_OMNI_CATALOGUE := operator/omnimodel_operator/vllm_omni/catalogue.json
+
+.PHONY: vllm-omni-catalogue vllm-omni-catalogue-check
+vllm-omni-catalogue: ## Regenerate the operator's vLLM-Omni deploy-config catalogue from vLLM-Omni's own code
+	"$$(e2e/vllm-omni/setup-env)/bin/python" e2e/vllm-omni/gen_catalogue.py $(VLLM_OMNI_CATALOGUE)
+
+vllm-omni-catalogue-check: ## Fail when the committed vLLM-Omni catalogue differs from what the pinned vLLM-Omni generates
+	@env_dir="$$(e2e/vllm-omni/setup-env)" && tmp="$$(mktemp)" && trap 'rm -f "$$tmp"' EXIT && \
+	"$$env_dir/bin/python" e2e/vllm-omni/gen_catalogue.py "$$tmp" && \
+	diff -u $(VLLM_OMNI_CATALOGUE) "$$tmp" && echo "vllm-omni catalogue: up to date"
 
 .PHONY: render
 render: ## Render every example to stdout, as the operator would apply it

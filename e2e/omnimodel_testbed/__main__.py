@@ -1,4 +1,4 @@
-"""Command line: ``python -m omnimodel_testbed up|down|status|kubeconfig|helm-path|build|netns``.
+"""Command line: ``python -m omnimodel_testbed up|down|status|kubeconfig|helm-path|build|netns|private-shm``.
 
 Only the requested value goes to stdout (so ``$(python -m omnimodel_testbed
 kubeconfig)`` works); progress and diagnostics go to stderr.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from .binaries import BuildError, ensure_built, run_build_script
 from .cluster import Cluster, ClusterError, default_state_dir
 from .netns import NETNS_POD_CIDR, run_in_netns
 from .procs import ReadinessTimeoutError
+from .shm import DEFAULT_SHM_SIZE, private_shm_argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ns.add_argument("--pod-cidr", default=NETNS_POD_CIDR, help="pod CIDR routed to lo inside")
     ns.add_argument("cmd", nargs=argparse.REMAINDER, help="command (after --)")
+    shm = sub.add_parser("private-shm", help="exec a command with its own empty /dev/shm, as a pod has")
+    shm.add_argument("--size", default=DEFAULT_SHM_SIZE, help="tmpfs size (default: %(default)s)")
+    shm.add_argument("cmd", nargs=argparse.REMAINDER, help="command (after --)")
     return p
 
 
@@ -66,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "netns":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return run_in_netns(cmd, pod_cidr=args.pod_cidr, state_dir=args.state_dir)
+        if args.command == "private-shm":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                log.error("no command given")
+                return 2
+            argv = private_shm_argv(cmd, args.size)
+            os.execv(argv[0], argv)
         if args.command == "helm-path":
             print(ensure_built().path("helm"))
             return 0

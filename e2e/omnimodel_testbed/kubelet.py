@@ -3,29 +3,86 @@
 kwok makes pods Running and Ready without running anything. For tests that send real requests
 through a gateway pod to stage pods, :class:`PodRunner` starts each pod's container command as a
 process on this machine, bound to the pod's IP (inside the test bed's network namespace the pod CIDR
-is local), with the pod's env, ConfigMap volumes written to files, emptyDirs as directories, and
-Secret env resolved. When a pod goes away, its process is stopped by PID.
+is local), with the pod's env (values, Secret keys, the downward API's pod IP/name/namespace, and ``$(VAR)``
+references in command, args and env as the kubelet expands them), ConfigMap volumes written to files and
+emptyDirs as directories. Each pod process gets its own empty ``/dev/shm`` (a memory emptyDir mounted
+there sets its size), as every pod has in a cluster, so two pods can never meet through shared memory.
+When a pod goes away, its process group is stopped (SIGTERM, then SIGKILL), as a container's processes
+all end with it.
 
-Not emulated: images (the command runs from ``bin_dir``, this checkout's venv), resource limits,
-probes (kwok reports readiness), restarts of crashed processes.
+Images are not emulated: the command runs from ``bin_dir`` (this checkout's venv), except a container
+whose command is ``vllm`` (the upstream vLLM-Omni image's entrypoint), which runs from the cached
+vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU platform plugin switched on.
+Not emulated either: resource limits, probes (kwok reports readiness), restarts of crashed processes.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .kubeapi import KubeAPI
+from .shm import DEFAULT_SHM_SIZE, private_shm_argv
+from .vllm_omni import VLLM_OMNI_CPU_ENV
+from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
-__all__ = ["PodProcess", "PodRunner"]
+__all__ = ["PodProcess", "PodRunner", "expand_env_refs", "is_vllm_omni", "shm_size"]
+
+#: The executable that marks a vLLM-Omni container (the upstream image's entrypoint is ``vllm serve``).
+VLLM_EXECUTABLE = "vllm"
+
+_ENV_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_env_refs(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: defined names are replaced, ``$$`` escapes ``$``, the rest stays."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return _ENV_REF.sub(sub, value)
+
+
+def is_vllm_omni(container: Mapping[str, Any]) -> bool:
+    """True when the container runs vLLM-Omni (its command is ``vllm ...``)."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    return bool(argv) and os.path.basename(argv[0]) == VLLM_EXECUTABLE
+
+
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_TMPFS_SUFFIX = {"Ki": "k", "Mi": "m", "Gi": "g", "Ti": "t", "k": "k", "M": "m", "G": "g", "T": "t", None: ""}
+
+
+def shm_size(pod: Mapping[str, Any]) -> str:
+    """Size of the pod's /dev/shm: a memory emptyDir mounted there (its sizeLimit), else the runtime default.
+
+    tmpfs sizes are binary (``1g`` = 1 GiB), so decimal quantities round up by at most 7%.
+    """
+    spec = pod["spec"]
+    mounts = {
+        m["name"] for c in spec["containers"] for m in c.get("volumeMounts") or [] if m["mountPath"] == "/dev/shm"
+    }
+    for volume in spec.get("volumes") or []:
+        empty_dir = volume.get("emptyDir")
+        if volume["name"] in mounts and isinstance(empty_dir, dict) and empty_dir.get("medium") == "Memory":
+            m = _QUANTITY.match(str(empty_dir.get("sizeLimit", "")))
+            # Unlimited memory emptyDir: half the host's memory, as tmpfs defaults to.
+            return f"{m.group(1)}{_TMPFS_SUFFIX[m.group(2)]}" if m else "50%"
+    return DEFAULT_SHM_SIZE
+
 
 log = logging.getLogger("omnimodel_testbed")
 
@@ -53,6 +110,7 @@ class PodRunner:
         shared_dirs: Mapping[str, Path] | None = None,
         extra_env: Mapping[str, str] | None = None,
         interval: float = 0.3,
+        vllm_omni_env: Callable[[], Path] = ensure_vllm_omni_env,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -62,6 +120,8 @@ class PodRunner:
         self.shared_dirs = dict(shared_dirs or {})
         self.extra_env = dict(extra_env or {})
         self.interval = interval
+        # Resolved on the first vLLM-Omni pod only: suites without one never build that environment.
+        self.vllm_omni_env = vllm_omni_env
         self.running: dict[str, PodProcess] = {}
         self.started: list[str] = []
         self._lock = threading.Lock()
@@ -136,6 +196,20 @@ class PodRunner:
             out[name] = target
         return out
 
+    def _field_value(self, pod: Mapping[str, Any], path: str) -> str:
+        """The downward API's ``fieldRef`` values a stage pod uses."""
+        values = {
+            "status.podIP": pod["status"].get("podIP", ""),
+            "status.hostIP": pod["status"].get("hostIP", ""),
+            "metadata.name": pod["metadata"]["name"],
+            "metadata.namespace": pod["metadata"].get("namespace", self.namespace),
+            "metadata.uid": pod["metadata"].get("uid", ""),
+            "spec.nodeName": pod["spec"].get("nodeName", ""),
+        }
+        if path not in values:
+            raise ValueError(f"fieldRef {path} is not emulated by the test bed's pod runner")
+        return str(values[path])
+
     def _launch(self, pod: Mapping[str, Any]) -> PodProcess:
         meta, spec = pod["metadata"], pod["spec"]
         ip = pod["status"]["podIP"]
@@ -144,7 +218,12 @@ class PodRunner:
         root.mkdir(parents=True, exist_ok=True)
         volumes = self._volumes(pod, root)
         mounts = sorted(
-            ((m["mountPath"], volumes[m["name"]]) for m in container.get("volumeMounts") or []),
+            (
+                (m["mountPath"], volumes[m["name"]])
+                for m in container.get("volumeMounts") or []
+                # /dev/shm is the pod's private tmpfs (below), not a host directory.
+                if m["mountPath"] != "/dev/shm"
+            ),
             key=lambda item: -len(item[0]),  # longest mount path first: /models/hf before /models
         )
 
@@ -154,36 +233,67 @@ class PodRunner:
                     return str(host) + value[len(mount_path) :]
             return value
 
-        argv = [*container.get("command", []), *container.get("args", [])]
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
+        container_env: dict[str, str] = {}
+        for item in container.get("env") or []:
+            source = item.get("valueFrom") or {}
+            if "value" in item:
+                value = expand_env_refs(item["value"], container_env)
+            elif "secretKeyRef" in source:
+                value = self._secret_value(source["secretKeyRef"])
+            elif "fieldRef" in source:
+                value = self._field_value(pod, source["fieldRef"]["fieldPath"])
+            else:
+                continue
+            container_env[item["name"]] = value
+            env[item["name"]] = host_path(value)
+
+        argv = [expand_env_refs(a, container_env) for a in [*container.get("command", []), *container.get("args", [])]]
+        vllm_omni = is_vllm_omni(container)
         # The arguments are the container's and may name in-container paths; the executable is ours
         # (and may itself live under a path such as /tmp that a pod mounts over).
-        exe = self.bin_dir / argv[0]
+        bin_dir = self.vllm_omni_env() / "bin" if vllm_omni else self.bin_dir
+        exe = bin_dir / argv[0]
         args = [ip if a == "0.0.0.0" else host_path(a) for a in argv[1:]]
         argv = [str(exe) if exe.exists() else argv[0], *args]
-
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
-        for item in container.get("env") or []:
-            if "value" in item:
-                env[item["name"]] = host_path(item["value"])
-            elif "secretKeyRef" in (item.get("valueFrom") or {}):
-                env[item["name"]] = self._secret_value(item["valueFrom"]["secretKeyRef"])
         env.update(self.extra_env)
+        if vllm_omni:
+            # The vLLM-Omni env's own Python and tools, never this checkout's (its pins conflict).
+            env.pop("PYTHONPATH", None)
+            env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+            env.update(VLLM_OMNI_CPU_ENV)
 
         log_path = root / "container.log"
         with log_path.open("ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+            # Own session: the pod's processes form one group, stopped together (see _terminate).
+            proc = subprocess.Popen(
+                private_shm_argv(argv, shm_size(pod)),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=root,
+                start_new_session=True,
+            )
         log.info("started pod %s (%s) as pid %d: %s", meta["name"], ip, proc.pid, " ".join(argv))
         return PodProcess(meta["name"], meta["uid"], ip, proc, log_path, argv)
 
     @staticmethod
     def _terminate(pod: PodProcess) -> None:
+        # The group is the session the pod's process leads (start_new_session): the process and every child
+        # it left in it (engine cores, workers), and nothing else. A leader that already exited may leave
+        # children behind, so the group is signalled even then.
+        pgid = pod.proc.pid
+
+        def signal_group(sig: signal.Signals) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+
+        signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pod.proc.wait(timeout=15)
+        signal_group(signal.SIGKILL)
         if pod.proc.poll() is None:
-            pod.proc.terminate()
-            try:
-                pod.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pod.proc.kill()
-                pod.proc.wait(timeout=5)
+            pod.proc.wait(timeout=5)
         log.info("stopped pod %s (pid %d, exit %s)", pod.name, pod.proc.pid, pod.proc.returncode)
 
     def cleanup(self) -> None:
