@@ -10,7 +10,7 @@ SHM=${1:-}
 mkdir -p /tmp/vo-qwen/logs
 cfg_for() {  # cfg_for POD IP: the deploy config that pod reads
   if [ "${CONNECTOR:-shm}" = mooncake ]; then
-    sed "s/@HOST@/$2/" "$HERE/qwen2_5_omni_cpu_mooncake.yaml.in" >"/tmp/vo-qwen/cfg-$1.yaml"
+    sed "s/@HOST@/$2/" "${CFG_IN:-$HERE/qwen2_5_omni_cpu_mooncake.yaml.in}" >"/tmp/vo-qwen/cfg-$1.yaml"
     echo "/tmp/vo-qwen/cfg-$1.yaml"
   else
     echo "${CFG:-$HERE/qwen2_5_omni_cpu.yaml}"
