@@ -32,8 +32,15 @@ def main() -> None:
         # One entry per stage; a dict replaces that stage's YAML defaults entirely, so repeat them.
         extra["sampling_params_list"] = [
             {"temperature": 0.0, "max_tokens": a.max_tokens, "seed": 42, "repetition_penalty": 1.1},
-            {"temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": a.talker_max_tokens, "seed": 42,
-             "repetition_penalty": 1.05, "stop_token_ids": [8294]},
+            {
+                "temperature": 0.9,
+                "top_p": 0.8,
+                "top_k": 40,
+                "max_tokens": a.talker_max_tokens,
+                "seed": 42,
+                "repetition_penalty": 1.05,
+                "stop_token_ids": [8294],
+            },
             {"temperature": 0.0, "max_tokens": 4096, "seed": 42},
         ]
     t0 = time.monotonic()
@@ -61,8 +68,13 @@ def main() -> None:
 
                 samples = array.array("h", frames)
                 rms = (sum(s * s for s in samples) / max(1, len(samples))) ** 0.5 / 32768
-                out["wav"] = {"rate": w.getframerate(), "frames": w.getnframes(), "channels": w.getnchannels(),
-                              "seconds": round(w.getnframes() / w.getframerate(), 3), "rms": round(rms, 4)}
+                out["wav"] = {
+                    "rate": w.getframerate(),
+                    "frames": w.getnframes(),
+                    "channels": w.getnchannels(),
+                    "seconds": round(w.getnframes() / w.getframerate(), 3),
+                    "rms": round(rms, 4),
+                }
         out["choices"] = len(r.choices)
     except openai.APIStatusError as e:
         out["status"] = e.status_code

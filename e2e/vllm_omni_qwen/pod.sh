@@ -10,7 +10,7 @@ LOGS=${LOGS:-/tmp/vo-qwen/logs}
 mkdir -p "$LOGS"
 E=${VLLM_OMNI_ENV:-$HOME/.cache/omnimodel/vllm-omni-0.30.0-bf75fd4ca1}
 export OMNIMODEL_VLLM_OMNI_CPU=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=${OVERLAY:-/tmp/vo-overlay} PATH="$E/bin:$PATH" \
+  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=${OVERLAY:-$(cd "$(dirname "$0")" && pwd)/overlay} PATH="$E/bin:$PATH" \
   VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 if [ "$private" = 1 ]; then
   setsid unshare --mount --propagation private -- sh -c 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"' sh "$@" \

@@ -17,8 +17,8 @@ cfg_for() {  # cfg_for POD IP: the deploy config that pod reads
   fi
 }
 if [ "${CONNECTOR:-shm}" = mooncake ]; then
-  MC=${MOONCAKE_SITE:-/tmp/vo-mc/site}
-  export OVERLAY="${OVERLAY:-/tmp/vo-overlay}:$MC"
+  MC=$("$HERE/setup-mooncake.sh")
+  export OVERLAY="${OVERLAY:-$HERE/overlay}:$MC"
   "$HERE/pod.sh" mooncake-master $SHM -- "$MC/mooncake/mooncake_master" -rpc_address 127.0.0.5 -rpc_port 50051 \
     -enable_http_metadata_server=true -http_metadata_server_host 127.0.0.5 -http_metadata_server_port 8080 \
     -metrics_host 127.0.0.5 -metrics_port 9003 >/tmp/vo-qwen/mooncake-master.pid
