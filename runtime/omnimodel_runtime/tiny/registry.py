@@ -43,6 +43,10 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "text": TinyBuilder(module="omnimodel_runtime.tiny.text", function="build", extra="transformers"),
     "tts": TinyBuilder(module="omnimodel_runtime.tiny.tts", function="build", extra="tts"),
     "qwen2.5-omni": TinyBuilder(module="omnimodel_runtime.tiny.omni", function="build", extra="transformers"),
+    # Qwen2.5-Omni with the token ids vLLM-Omni hard-codes, for the vllm-omni runtime.
+    "qwen2.5-omni-vllm-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"
+    ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
 }
 
