@@ -243,6 +243,10 @@ def describe(yaml_path: Path, pipelines: dict[str, PipelineConfig], scratch: Pat
         "finalOutputs": outputs,
         "routes": routes,
         "sameHostOnly": any(e["sameHostOnly"] for e in edges),
+        # The YAML as vLLM-Omni reads it (base_config chain merged): the operator writes it, with its
+        # per-pod overrides, into the deploy file it mounts, so a pod never depends on where an image
+        # installed the bundled file.
+        "deploy": resolve_deploy_yaml(yaml_path),
     }
 
 

@@ -27,6 +27,8 @@ from omnimodel_operator.kube import ApiError, KubeClient
 from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.status import Problems, component_state, compute_status, invalid_status, status_dict
+from omnimodel_operator.vllm_omni.plan import VllmPlan
+from omnimodel_operator.vllm_omni.state import vllm_components
 
 Key = tuple[str, str]  # (kind, name)
 
@@ -150,7 +152,7 @@ def _matches(obj: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
 
 
 def _status(
-    plan: Plan,
+    plan: Plan | VllmPlan,
     current: Mapping[Key, Manifest],
     pods: Sequence[Manifest],
     old: OmniModelStatus,
@@ -158,15 +160,19 @@ def _status(
     now: str,
     problems: Problems,
 ) -> OmniModelStatus:
+    hpas = {
+        sp.name: hpa
+        for sp in plan.stages
+        if (hpa := current.get(("HorizontalPodAutoscaler", naming.stage_name(plan.name, sp.name)))) is not None
+    }
+    if isinstance(plan, VllmPlan):
+        stages, gateway = vllm_components(plan, current, pods)
+        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
     stages = []
-    hpas: dict[str, Manifest] = {}
     for sp in plan.stages:
         name = naming.stage_name(plan.name, sp.stage.name)
         mine = [p for p in pods if _matches(p, naming.stage_selector(plan.name, sp.stage.name))]
         stages.append(component_state(sp.stage.name, current.get(("Deployment", name)), mine))
-        hpa = current.get(("HorizontalPodAutoscaler", name))
-        if hpa is not None:
-            hpas[sp.stage.name] = hpa
     gateway_pods = [p for p in pods if _matches(p, naming.gateway_selector(plan.name))]
     gateway = component_state("gateway", current.get(("Deployment", naming.gateway_name(plan.name))), gateway_pods)
     return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
@@ -261,7 +267,7 @@ async def reconcile(
         await write_status(client, body, old_raw, outcome.status, now())
         return outcome
 
-    desired = render(plan, settings)
+    desired = render(plan, settings, observed)
     live = {key: obj for key, obj in observed.objects.items() if owned_by(obj, uid)}
     wanted = {_key(m) for m in desired}
     outcome.conflicts = await _conflicts(client, [m for m in desired if _key(m) not in live], uid)

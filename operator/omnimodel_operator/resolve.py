@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -16,6 +16,9 @@ from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.api.v1alpha1 import Accelerator, OmniModelSpec, StageSpec
 from omnimodel_operator.settings import OperatorSettings
+
+if TYPE_CHECKING:
+    from omnimodel_operator.vllm_omni.plan import VllmPlan
 from omnimodel_runtime.pipeline import (
     AcceleratorRequest,
     Modality,
@@ -47,6 +50,10 @@ class StagePlan:
     replicas: int | None
     image: str
 
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -62,6 +69,20 @@ class Plan:
     @property
     def endpoint(self) -> str:
         return f"http://{naming.gateway_name(self.name)}.{self.namespace}.svc:{self.spec.gateway.port}"
+
+    # The view status needs (see status.StatusView) -------------------------------------------
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(m.value for m in self.pipeline.modalities)
+
+    def stages_for(self, modality: str) -> list[str]:
+        return [s.name for s in self.pipeline.stages_for([Modality(modality)])]
+
+    def accelerator_of(self, stage: str) -> AcceleratorRequest:
+        return self.pipeline.stage(stage).accelerator
+
+    def service_of(self, stage: str) -> str:
+        return _endpoint(self.name, self.namespace, stage)
 
 
 def parse_spec(spec: Mapping[str, Any]) -> OmniModelSpec:
@@ -161,9 +182,21 @@ def resolve(
     raw_spec: Mapping[str, Any] | OmniModelSpec,
     settings: OperatorSettings,
     uid: str | None = None,
-) -> Plan:
-    """Spec → plan, or :class:`InvalidSpec`."""
+) -> Plan | VllmPlan:
+    """Spec → plan for the spec's runtime, or :class:`InvalidSpec`."""
     spec = raw_spec if isinstance(raw_spec, OmniModelSpec) else parse_spec(raw_spec)
+    if spec.runtime.kind == "vllm-omni":
+        # Imported here: the vLLM-Omni planner builds on this module's InvalidSpec and accelerator helpers.
+        from omnimodel_operator.vllm_omni.plan import resolve_vllm_omni  # noqa: PLC0415
+
+        return resolve_vllm_omni(name, namespace, spec, settings, uid=uid)
+    return resolve_omnimodel(name, namespace, spec, settings, uid=uid)
+
+
+def resolve_omnimodel(
+    name: str, namespace: str, spec: OmniModelSpec, settings: OperatorSettings, uid: str | None = None
+) -> Plan:
+    """Spec → plan for this project's runtime (gateway + one process per stage)."""
     pipeline = build_pipeline(name, namespace, spec)
     user_stages = {s.name: s for s in spec.stages or []}
     plans = []

@@ -21,6 +21,12 @@ DEFAULT_RUNTIME_IMAGES: Final = {
 }
 
 
+# Upstream vLLM-Omni images for the version the catalogue was generated from (override per vendor with
+# OMNIMODEL_VLLM_OMNI_IMAGES or spec.runtime.image; not pulled or verified from this repository's CI).
+DEFAULT_VLLM_OMNI_IMAGE: Final = "vllm/vllm-omni:v0.30.0"
+DEFAULT_VLLM_OMNI_IMAGES: Final = {"nvidia": DEFAULT_VLLM_OMNI_IMAGE, "amd": "vllm/vllm-omni-rocm:v0.30.0"}
+
+
 class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OMNIMODEL_", extra="ignore", frozen=True)
 
@@ -75,6 +81,22 @@ class OperatorSettings(BaseSettings):
         le=65535,
         description="Port of the Prometheus endpoint `/metrics` (all interfaces); 0 serves no metrics.",
     )
+
+    vllm_omni_images: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_VLLM_OMNI_IMAGES),
+        description="vLLM-Omni image per accelerator vendor (JSON object), for runtime.kind vllm-omni when a "
+        "CR sets no image.",
+    )
+    vllm_omni_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment (JSON object) for every vLLM-Omni container, e.g. a platform plugin's "
+        "switch; a stage's own env wins.",
+    )
+
+    def vllm_omni_image(self, vendor: Vendor) -> str:
+        return self.vllm_omni_images.get(
+            vendor.value, DEFAULT_VLLM_OMNI_IMAGES.get(vendor.value, DEFAULT_VLLM_OMNI_IMAGE)
+        )
 
     def runtime_image(self, vendor: Vendor) -> str:
         return self.runtime_images.get(vendor.value, DEFAULT_RUNTIME_IMAGES[vendor.value])

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from omnimodel_operator import conditions as cond
-from omnimodel_operator import constants as C
-from omnimodel_operator import naming
 from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, ComponentStatus, OmniModelStatus, StageStatus
-from omnimodel_operator.resolve import Plan
+from omnimodel_runtime.pipeline import AcceleratorRequest
 
 Manifest = dict[str, Any]
 
@@ -133,6 +131,23 @@ def component_state(name: str, deployment: Manifest | None, pods: Sequence[Manif
     )
 
 
+def combine(name: str, parts: Sequence[ComponentState]) -> ComponentState:
+    """One stage served by several Deployments (vLLM-Omni's head and its extra replicas): counts add up,
+    the least ready part explains the whole."""
+    not_ready = [p for p in parts if not p.is_ready]
+    worst = min(not_ready, key=lambda c: cond.REASON_PRIORITY.index(c.reason or cond.UPDATING)) if not_ready else None
+    return ComponentState(
+        name,
+        sum(p.desired for p in parts),
+        sum(p.ready for p in parts),
+        sum(p.updated for p in parts),
+        sum(p.available for p in parts),
+        reason=worst.reason if worst else None,
+        message="; ".join(p.message for p in not_ready),
+        degraded=any(p.degraded for p in parts),
+    )
+
+
 def _stage_reason(state: ComponentState) -> str:
     if state.degraded:
         return cond.CAPACITY_LOST
@@ -141,8 +156,24 @@ def _stage_reason(state: ComponentState) -> str:
     return state.reason
 
 
-def _accelerator_text(plan: Plan, stage: str) -> str:
-    acc = plan.pipeline.stage(stage).accelerator
+class StatusView(Protocol):
+    """What status needs of a plan (the omnimodel runtime's Plan and vLLM-Omni's VllmPlan both have it)."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def modalities(self) -> tuple[str, ...]: ...
+
+    def stages_for(self, modality: str) -> list[str]: ...
+
+    def accelerator_of(self, stage: str) -> AcceleratorRequest: ...
+
+    def service_of(self, stage: str) -> str: ...
+
+
+def _accelerator_text(plan: StatusView, stage: str) -> str:
+    acc = plan.accelerator_of(stage)
     if acc.count == 0:
         return "cpu"
     return f"{acc.count}x {acc.vendor.value}" + (f" {acc.product}" if acc.product else "")
@@ -173,7 +204,7 @@ def _worst(states: Sequence[ComponentState]) -> ComponentState:
 
 
 def compute_status(
-    plan: Plan,
+    plan: StatusView,
     stages: Sequence[ComponentState],
     gateway: ComponentState,
     hpas: Mapping[str, Manifest],
@@ -193,9 +224,7 @@ def compute_status(
     components = [*stages, gateway]
     not_ready = [c for c in components if not c.is_ready]
     at_zero = {s.name for s in stages if s.is_ready and s.desired == 0}
-    servable = [
-        m for m in plan.pipeline.modalities if not any(s.name in at_zero for s in plan.pipeline.stages_for([m]))
-    ]
+    servable = [m for m in plan.modalities if not any(name in at_zero for name in plan.stages_for(m))]
     if gateway.is_ready and gateway.desired == 0:
         servable = []
     if problems.conflicts:
@@ -208,10 +237,10 @@ def compute_status(
     elif not servable:
         put(cond.READY, False, cond.SCALED_TO_ZERO, "nothing can be served: " + _zero_text(gateway, at_zero))
     elif at_zero:
-        lost = [m.value for m in plan.pipeline.modalities if m not in servable]
+        lost = [m for m in plan.modalities if m not in servable]
         put(
             cond.READY, True, cond.STAGES_SCALED_TO_ZERO,
-            f"serving {', '.join(m.value for m in servable)}; {', '.join(lost)} output needs "
+            f"serving {', '.join(servable)}; {', '.join(lost)} output needs "
             f"{', '.join(sorted(at_zero))} (scaled to 0)",
         )  # fmt: skip
     else:
@@ -241,7 +270,7 @@ def compute_status(
             available_replicas=s.available,
             reason=_stage_reason(s),
             accelerator=_accelerator_text(plan, s.name),
-            service=f"http://{naming.stage_name(plan.name, s.name)}.{plan.namespace}.svc:{C.STAGE_PORT}",
+            service=plan.service_of(s.name),
             message="" if s.is_ready else s.message,
             autoscaler=autoscaler_status(hpas.get(s.name)),
         )
@@ -263,7 +292,7 @@ def compute_status(
             ).model_dump(by_alias=True),
             "readyStages": f"{ready_count}/{len(stages)}",
             "endpoint": plan.endpoint,
-            "servedModalities": [m.value for m in servable],
+            "servedModalities": servable,
         }
     )
 

@@ -13,9 +13,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from omnimodel_operator.vllm_omni.catalogue import load_catalogue
 from omnimodel_runtime.pipeline import ENGINE_TASKS, PRESETS, EngineName, Modality, StageKind, Vendor
 from omnimodel_runtime.pipeline.graph import STAGE_NAME_MAX, STAGE_NAME_PATTERN
 
+_CATALOGUE = load_catalogue()
+VLLM_OMNI_VERSION = _CATALOGUE.vllm_omni_version
+VLLM_OMNI_CONFIGS = tuple(c.name for c in _CATALOGUE.configs)
+# The stage of a vLLM-Omni model served without a deploy config (one diffusion pipeline).
+SINGLE_STAGE = "dit"
 MAX_STAGES = 16
 MAX_INPUTS = 8
 # Child names are <cr>-<stage>; these suffixes belong to the OmniModel's own children.
@@ -106,12 +112,57 @@ class Resources(KubeModel):
     requests: dict[str, Quantity] | None = Field(default=None, description="Resource requests.")
 
 
+class DeployConfigRef(KubeModel):
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap in the OmniModel's namespace.")
+    key: str = Field(default="deploy.yaml", min_length=1, description="Key holding the YAML. Default deploy.yaml.")
+
+
 class RuntimeSpec(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.deployConfigRef) || has(self.deployConfig)",
+                    "runtime.deployConfigRef is an overlay on runtime.deployConfig, which must be set",
+                    ".deployConfigRef",
+                ),
+                cel(
+                    "(has(self.kind) && self.kind == 'vllm-omni') || "
+                    "(!has(self.deployConfig) && !has(self.deployConfigRef))",
+                    "runtime.deployConfig and runtime.deployConfigRef need runtime.kind vllm-omni",
+                    ".kind",
+                ),
+            ]
+        }
+    )
+
+    kind: Literal["omnimodel", "vllm-omni"] = Field(
+        default="omnimodel",
+        description="What runs in the stage pods: omnimodel (this project's runtime: a gateway and one "
+        "process per stage) or vllm-omni (vLLM-Omni's own engines: the head pod runs its API server, "
+        "orchestrator and the entry stage; every other stage is a Deployment of headless replicas "
+        "registering with the head). Default omnimodel.",
+    )
+    deploy_config: Literal[tuple(VLLM_OMNI_CONFIGS)] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description=f"vllm-omni only: one of vLLM-Omni {VLLM_OMNI_VERSION}'s bundled deploy configs (e.g. "
+        "qwen2_5_omni, qwen3_omni_moe, qwen3_tts, bagel). It gives the stages (spec.stages[].name must be "
+        "its stage names) and the base of the deploy file the operator writes for the pods. Unset: the "
+        "model's own single diffusion stage, named dit (diffusers pipelines such as Qwen-Image, FLUX or "
+        "SD3, as `vllm serve M --omni` runs them without a deploy config).",
+    )
+    deploy_config_ref: DeployConfigRef | None = Field(
+        default=None,
+        description="vllm-omni only: a ConfigMap key holding a deploy YAML, applied by vLLM-Omni as an "
+        "overlay (its base_config) on top of the operator's deploy file for deployConfig; the stage "
+        "graph stays deployConfig's. Read when the OmniModel is reconciled.",
+    )
     image: str | None = Field(
         default=None,
         min_length=1,
         description="Runtime image for every stage and the gateway. Defaults to the operator's image "
-        "for each stage's accelerator vendor (cuda, rocm, xpu, cann or cpu variant).",
+        "for each stage's accelerator vendor (cuda, rocm, xpu, cann or cpu variant; for vllm-omni, the "
+        "vLLM-Omni image for the vendor).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy for runtime containers."
@@ -291,6 +342,15 @@ class StageSpec(KubeModel):
         return self
 
 
+def _vllm_omni_stage_map() -> str:
+    """CEL map literal deploy config → stage names, from the committed catalogue."""
+    entries = ", ".join(f"'{c.name}': [{', '.join(repr(s.name) for s in c.stages)}]" for c in _CATALOGUE.configs)
+    return "{" + entries + "}"
+
+
+_VLLM = "has(self.runtime) && has(self.runtime.kind) && self.runtime.kind == 'vllm-omni'"
+
+
 def _preset_stage_map() -> str:
     """CEL map literal preset → stage names, generated from the catalogue so the two never drift."""
     entries = ", ".join(
@@ -307,9 +367,34 @@ class OmniModelSpec(KubeModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "has(self.preset) || (has(self.stages) && size(self.stages) > 0)",
+                    f"({_VLLM}) || has(self.preset) || (has(self.stages) && size(self.stages) > 0)",
                     "spec.stages must describe the graph when no preset is given",
                     ".stages",
+                ),
+                cel(
+                    f"!({_VLLM}) || !has(self.preset)",
+                    "runtime.kind vllm-omni takes its stage graph from runtime.deployConfig, not a preset",
+                    ".preset",
+                ),
+                cel(
+                    f"!({_VLLM}) || !has(self.stages) || (has(self.runtime.deployConfig) ? "
+                    f"self.stages.all(s, s.name in {_vllm_omni_stage_map()}[self.runtime.deployConfig]) : "
+                    f"self.stages.all(s, s.name == '{SINGLE_STAGE}'))",
+                    "with runtime.kind vllm-omni, every stage must be named like one of the deploy config's stages "
+                    f"({SINGLE_STAGE} without a deploy config)",
+                    ".stages",
+                ),
+                cel(
+                    f"!({_VLLM}) || !has(self.stages) || self.stages.all(s, "
+                    "!has(s.inputs) && !has(s.kind) && !has(s.task) && !has(s.outputs) && !has(s.engine))",
+                    "a vLLM-Omni deploy config fixes the graph and its engines: its stages cannot set "
+                    "engine, inputs, kind, task or outputs",
+                    ".stages",
+                ),
+                cel(
+                    f"!({_VLLM}) || !has(self.gateway) || !has(self.gateway.replicas) || self.gateway.replicas == 1",
+                    "with runtime.kind vllm-omni the head pod serves the API: gateway.replicas must be 1",
+                    ".gateway.replicas",
                 ),
                 cel(
                     "!has(self.preset) || !has(self.stages) || "
@@ -324,7 +409,7 @@ class OmniModelSpec(KubeModel):
                     ".stages",
                 ),
                 cel(
-                    "has(self.preset) || !has(self.stages) || "
+                    f"({_VLLM}) || has(self.preset) || !has(self.stages) || "
                     "self.stages.all(s, has(s.engine) && has(s.kind) && has(s.task))",
                     "without a preset every stage needs engine, kind and task",
                     ".stages",
@@ -360,6 +445,30 @@ class OmniModelSpec(KubeModel):
         description="Per-stage settings. With a preset, entries override the named preset stages; "
         "without, they are the graph (inputs name earlier stages).",
     )
+
+    @model_validator(mode="after")
+    def _vllm_omni_rules(self) -> OmniModelSpec:
+        # The CEL rules above, again, for objects that never went through the API server.
+        if self.runtime.kind != "vllm-omni":
+            return self
+        if self.preset is not None:
+            raise ValueError("runtime.kind vllm-omni takes its stage graph from runtime.deployConfig, not a preset")
+        if self.runtime.deploy_config_ref is not None and self.runtime.deploy_config is None:
+            raise ValueError("runtime.deployConfigRef is an overlay on runtime.deployConfig, which must be set")
+        if self.runtime.deploy_config is None:
+            known = [SINGLE_STAGE]
+        else:
+            known = [st.name for st in _CATALOGUE.get(self.runtime.deploy_config).stages]
+        for stage in self.stages or ():
+            if stage.name not in known:
+                config = self.runtime.deploy_config or "(none: the model's single diffusion stage)"
+                raise ValueError(f"deploy config {config} has no stage {stage.name!r} (stages: {', '.join(known)})")
+            fixed = [f for f in ("engine", "inputs", "kind", "task", "outputs") if getattr(stage, f) is not None]
+            if fixed:
+                raise ValueError(f"stage {stage.name}: a vLLM-Omni deploy config fixes {', '.join(fixed)}")
+        if self.gateway.replicas != 1:
+            raise ValueError("with runtime.kind vllm-omni the head pod serves the API: gateway.replicas must be 1")
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> OmniModelSpec:

@@ -6,6 +6,8 @@ whatever they return, in order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from omnimodel_operator import constants as C
 from omnimodel_operator.builders.common import Manifest, content_hash, service_account
 from omnimodel_operator.builders.gateway import gateway_deployment, gateway_service
@@ -17,8 +19,13 @@ from omnimodel_operator.builders.stage import (
     stage_pdb,
     stage_service,
 )
+from omnimodel_operator.builders.vllm_omni import render_vllm_omni, restart_marks_of
 from omnimodel_operator.resolve import Plan
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.vllm_omni.plan import VllmPlan
+
+if TYPE_CHECKING:
+    from omnimodel_operator.reconcile import Observed
 
 # Kinds the operator may create; pruning lists exactly these (and nothing it cannot own).
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
@@ -32,8 +39,14 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
-def render(plan: Plan, settings: OperatorSettings) -> list[Manifest]:
-    """Every child of one OmniModel, in apply order (config before the pods that mount it)."""
+def render(plan: Plan | VllmPlan, settings: OperatorSettings, observed: Observed | None = None) -> list[Manifest]:
+    """Every child of one OmniModel, in apply order (config before the pods that mount it).
+
+    ``observed`` (the live children and pods) matters only to vLLM-Omni, whose head and replicas the
+    operator restarts together (:mod:`omnimodel_operator.vllm_omni.restarts`).
+    """
+    if isinstance(plan, VllmPlan):
+        return [with_applied_hash(m) for m in render_vllm_omni(plan, settings, restart_marks_of(plan, observed))]
     out: list[Manifest] = [pipeline_configmap(plan), service_account(plan)]
     for sp in plan.stages:
         out.append(stage_service(plan, sp))

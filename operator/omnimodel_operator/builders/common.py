@@ -5,14 +5,29 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import EnvVar, Resources, Toleration
-from omnimodel_operator.resolve import Plan
+from omnimodel_operator.api.v1alpha1 import EnvVar, OmniModelSpec, Resources, Toleration
 
 Manifest = dict[str, Any]
+
+
+class Plan(Protocol):
+    """What the shared builders read of a plan (both runtimes' plans have it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def spec(self) -> OmniModelSpec: ...
+
+    @property
+    def uid(self) -> str | None: ...
 
 
 def owner_reference(plan: Plan) -> dict[str, Any]:
@@ -27,8 +42,12 @@ def owner_reference(plan: Plan) -> dict[str, Any]:
     }
 
 
-def metadata(plan: Plan, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+def metadata(
+    plan: Plan, name: str, labels: Mapping[str, str], annotations: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": plan.namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
     if plan.uid is not None:
         meta["ownerReferences"] = [owner_reference(plan)]
     return meta

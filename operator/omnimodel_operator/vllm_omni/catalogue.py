@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from importlib import resources
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -121,6 +121,10 @@ class DeployConfigEntry(_Model):
         "images.edits, videos. vLLM-Omni registers every route and answers the others with an error."
     )
     same_host_only: bool = Field(description="Some edge uses a same-host-only connector.")
+    deploy: dict[str, Any] = Field(
+        description="The deploy YAML as vLLM-Omni's resolve_deploy_yaml reads it (base_config chain merged, "
+        "platform overlays still under platforms:): the base of the deploy file the operator renders."
+    )
 
     def stage(self, key: int | str) -> CatalogueStage:
         """A stage by id or by name; KeyError naming the known ones otherwise."""

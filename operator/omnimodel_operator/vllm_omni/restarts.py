@@ -1,0 +1,120 @@
+"""Keeping vLLM-Omni 0.30.0's head and replicas together across restarts (its bugs, our controller).
+
+Measured on the test bed (``e2e/vllm-omni/README.md``, ``docs/vllm-omni.md``): a replica that dies can
+wedge the head (requests time out while ``/health`` says 200, and a new replica does not help), and
+after a head restart the old replicas neither re-register nor exit. So the operator ties them together,
+from what it sees of the pods, and records what it saw on its own Deployments:
+
+- the replica Deployments carry (metadata annotation) the head process their pods registered with;
+  when the running head is another process (restarted, rescheduled), their restart epoch (a pod-template
+  annotation) goes up, so every replica restarts and registers with the new head;
+- the head Deployment carries the replica processes it has had (pods of the current replica epoch
+  that were running); when one of them is gone or restarted, the head's restart epoch goes up, so the
+  head restarts, and with it (rule one) every replica.
+
+A head's first process adopts whatever replicas start with it; nothing restarts at creation.
+Scaling a stage down therefore restarts the graph under 0.30.0: documented, and the price of never
+serving from a wedged head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from omnimodel_operator import constants as C
+
+Manifest = dict[str, Any]
+
+EPOCH: Final = "omnimodel.io/restart-epoch"
+REGISTERED_WITH: Final = "omnimodel.io/registered-with"
+REPLICA_PODS: Final = "omnimodel.io/replica-pods"
+PENDING: Final = "pending"
+
+
+@dataclass(frozen=True)
+class RestartMarks:
+    """Annotations the builders put on the head and replica Deployments (metadata and pod template)."""
+
+    head_template: dict[str, str] = field(default_factory=lambda: {EPOCH: "0"})
+    head_metadata: dict[str, str] = field(default_factory=lambda: {REPLICA_PODS: ""})
+    replica_template: dict[str, str] = field(default_factory=lambda: {EPOCH: "0"})
+    replica_metadata: dict[str, str] = field(default_factory=lambda: {REGISTERED_WITH: PENDING})
+
+
+def _annotation(obj: Mapping[str, Any] | None, key: str, *, template: bool) -> str | None:
+    if obj is None:
+        return None
+    meta = obj["spec"]["template"]["metadata"] if template else obj["metadata"]
+    value = (meta.get("annotations") or {}).get(key)
+    return str(value) if value is not None else None
+
+
+def _running(pod: Mapping[str, Any]) -> bool:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return bool(statuses) and all("running" in (s.get("state") or {}) for s in statuses)
+
+
+def incarnation(pod: Mapping[str, Any]) -> str:
+    """One process of a pod: its uid and how often its containers restarted."""
+    restarts = sum(int(s.get("restartCount", 0)) for s in (pod.get("status") or {}).get("containerStatuses") or [])
+    return f"{pod['metadata']['uid']}:{restarts}"
+
+
+def _epoch(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+def restart_marks(
+    head: Manifest | None,
+    replicas: Sequence[Manifest | None],
+    head_pods: Iterable[Manifest],
+    replica_pods: Iterable[Manifest],
+) -> RestartMarks:
+    """The marks for this pass, from the live head Deployment, replica Deployments and their pods."""
+    live_replicas = [r for r in replicas if r is not None]
+    replica_epoch = max((_epoch(_annotation(r, EPOCH, template=True)) for r in live_replicas), default=0)
+    recorded = next((v for r in live_replicas if (v := _annotation(r, REGISTERED_WITH, template=False))), PENDING)
+    running_heads = sorted(
+        (p for p in head_pods if _running(p) and not p["metadata"].get("deletionTimestamp")),
+        key=lambda p: str(p["metadata"].get("creationTimestamp", "")),
+    )
+    if running_heads:
+        now = incarnation(running_heads[-1])
+        if recorded not in (PENDING, now):
+            replica_epoch += 1
+        recorded = now
+
+    head_epoch = _epoch(_annotation(head, EPOCH, template=True))
+    seen = {s for s in (_annotation(head, REPLICA_PODS, template=False) or "").split(",") if s}
+    current = {
+        f"{replica_epoch}/{incarnation(p)}"
+        for p in replica_pods
+        if _running(p) and (p["metadata"].get("annotations") or {}).get(EPOCH) == str(replica_epoch)
+    }
+    epoch_prefix = f"{replica_epoch}/"
+    lost = {s for s in seen if s.startswith(epoch_prefix)} - current
+    if lost:
+        # A replica the head had is gone: restart the head (and, through its new process, the replicas).
+        head_epoch += 1
+        seen = set()
+    else:
+        seen = {s for s in seen if s.startswith(epoch_prefix)} | current
+    return RestartMarks(
+        head_template={EPOCH: str(head_epoch)},
+        head_metadata={REPLICA_PODS: ",".join(sorted(seen))},
+        replica_template={EPOCH: str(replica_epoch)},
+        replica_metadata={REGISTERED_WITH: recorded},
+    )
+
+
+def is_head_pod(pod: Mapping[str, Any]) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(C.LABEL_COMPONENT) == "head"
+
+
+def is_replica_pod(pod: Mapping[str, Any]) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(C.LABEL_COMPONENT) == C.COMPONENT_STAGE
