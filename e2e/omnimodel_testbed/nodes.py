@@ -59,6 +59,7 @@ class FakeNode:
 DEFAULT_FLEET: tuple[FakeNode, ...] = (
     FakeNode("h200-0", "nvidia", "H200", 8, cpu="192", memory="2Ti"),
     FakeNode("h200-1", "nvidia", "H200", 8, cpu="192", memory="2Ti"),
+    FakeNode("l40s-0", "nvidia", "L40S", 4, cpu="64", memory="512Gi"),
     FakeNode("mi300x-0", "amd", "MI300X", 8, cpu="192", memory="2Ti"),
     FakeNode("ascend910b-0", "ascend", "910B", 8, cpu="192", memory="1536Gi"),
     FakeNode("cpu-0", "cpu", None, 0, cpu="32", memory="128Gi"),

@@ -24,6 +24,7 @@ def test_fleet_has_the_documented_mix() -> None:
         ("cpu", "", 0),
         ("nvidia", "H200", 8),
         ("nvidia", "H200", 8),
+        ("nvidia", "L40S", 4),
     ]
 
 
@@ -42,7 +43,7 @@ def test_node_matches_accelerator_table(node: FakeNode) -> None:
     if spec.resource_name is None:
         assert set(capacity) == {"cpu", "memory", "pods", "ephemeral-storage"}
     else:
-        assert capacity[spec.resource_name] == "8"
+        assert capacity[spec.resource_name] == str(node.devices)
 
 
 def test_h200_nodes_are_selectable_by_short_and_full_product_name() -> None:
