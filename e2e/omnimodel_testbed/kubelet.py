@@ -39,8 +39,9 @@ from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
 __all__ = ["PodProcess", "PodRunner", "expand_env_refs", "is_vllm_omni", "shm_size"]
 
-#: The executable that marks a vLLM-Omni container (the upstream image's entrypoint is ``vllm serve``).
-VLLM_EXECUTABLE = "vllm"
+#: Executables that mark a vLLM-Omni container: the upstream image's entrypoint (``vllm serve``) and the
+#: Mooncake master the operator runs beside it for its network connector.
+VLLM_EXECUTABLES = ("vllm", "mooncake_master")
 
 _ENV_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -59,7 +60,7 @@ def expand_env_refs(value: str, env: Mapping[str, str]) -> str:
 def is_vllm_omni(container: Mapping[str, Any]) -> bool:
     """True when the container runs vLLM-Omni (its command is ``vllm ...``)."""
     argv = [*container.get("command", []), *container.get("args", [])]
-    return bool(argv) and os.path.basename(argv[0]) == VLLM_EXECUTABLE
+    return bool(argv) and os.path.basename(argv[0]) in VLLM_EXECUTABLES
 
 
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")

@@ -128,8 +128,8 @@ class RuntimeSpec(KubeModel):
                 ),
                 cel(
                     "(has(self.kind) && self.kind == 'vllm-omni') || "
-                    "(!has(self.deployConfig) && !has(self.deployConfigRef))",
-                    "runtime.deployConfig and runtime.deployConfigRef need runtime.kind vllm-omni",
+                    "(!has(self.deployConfig) && !has(self.deployConfigRef) && !has(self.extraArgs))",
+                    "runtime.deployConfig, deployConfigRef and extraArgs need runtime.kind vllm-omni",
                     ".kind",
                 ),
             ]
@@ -156,6 +156,12 @@ class RuntimeSpec(KubeModel):
         description="vllm-omni only: a ConfigMap key holding a deploy YAML, applied by vLLM-Omni as an "
         "overlay (its base_config) on top of the operator's deploy file for deployConfig; the stage "
         "graph stays deployConfig's. Read when the OmniModel is reconciled.",
+    )
+    extra_args: list[Annotated[str, Field(max_length=1024)]] | None = Field(
+        default=None,
+        max_length=64,
+        description="vllm-omni only: arguments appended to every `vllm serve` command line (head and "
+        "replicas), e.g. [--dtype, float32]. Per-stage engine settings belong in spec.stages[].engineArgs.",
     )
     image: str | None = Field(
         default=None,

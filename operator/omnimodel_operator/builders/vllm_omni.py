@@ -139,17 +139,18 @@ def _deploy_path(plan: VllmPlan) -> str:
 
 
 def _common_args(plan: VllmPlan, sp: VllmStagePlan) -> list[str]:
+    extra = list(plan.spec.runtime.extra_args or ())
     if plan.deploy is None:
-        overrides = {str(sp.stage.id): {k: v for k, v in sp.deploy.items() if k != "stage_id"}}
-        return [
-            plan.model,
-            "--omni",
-            "--stage-overrides",
-            json.dumps(overrides, sort_keys=True),
-            "--stage-id",
-            str(sp.stage.id),
-        ]
-    return [plan.model, "--omni", "--deploy-config", _deploy_path(plan), "--stage-id", str(sp.stage.id)]
+        # Only what differs from vLLM-Omni's own defaults for the stage (one device, one replica): an
+        # override replaces the stage's engine settings built from the command line (--dtype included).
+        stage = {k: v for k, v in sp.deploy.items() if k not in ("stage_id", "num_replicas")}
+        if stage.get("devices") == "0":
+            del stage["devices"]
+        overrides = json.dumps({str(sp.stage.id): stage}, sort_keys=True)
+        config = ["--stage-overrides", overrides] if stage else []
+    else:
+        config = ["--deploy-config", _deploy_path(plan)]
+    return [plan.model, "--omni", *config, "--stage-id", str(sp.stage.id), *extra]
 
 
 def _env(plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings) -> list[dict[str, Any]]:

@@ -125,8 +125,18 @@ def test_without_a_deploy_config_the_single_stage_settings_travel_on_the_command
     head, extra = out[("Deployment", "img-dit")], out[("Deployment", "img-dit-replicas")]
     assert extra["spec"]["replicas"] == 1  # two replicas of the stage: the head's own, and one more pod
     assert "--deploy-config" not in container(head)["args"]
-    overrides = container(head)["args"][container(head)["args"].index("--stage-overrides") + 1]
-    assert yaml.safe_load(overrides) == {"0": {"devices": "0", "num_replicas": 1}}
+    assert "--stage-overrides" not in container(head)["args"]  # nothing differs from vLLM-Omni's defaults
+    tp2 = CASES["single-stage-dit-cpu"] | {
+        "stages": [
+            {"name": "dit", "accelerator": {"vendor": "nvidia", "count": 2}, "engineArgs": {"tensor_parallel_size": 2}}
+        ]
+    }
+    args = container(
+        by_kind_name(render(resolve("img", "ml", tp2, SETTINGS, uid=UID), SETTINGS))[("Deployment", "img-dit")]
+    )["args"]
+    assert yaml.safe_load(args[args.index("--stage-overrides") + 1]) == {
+        "0": {"devices": "0,1", "tensor_parallel_size": 2}
+    }
 
 
 @pytest.mark.parametrize(

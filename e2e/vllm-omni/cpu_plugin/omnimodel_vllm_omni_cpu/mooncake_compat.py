@@ -1,0 +1,55 @@
+"""Test-bed only: make vLLM-Omni 0.30.0's MooncakeStoreConnector work with the CPU Mooncake wheel.
+
+The connector sets ``ReplicateConfig().with_soft_pin = True``; ``mooncake-transfer-engine-non-cuda``
+0.3.13.post1 (the CPU build on PyPI) has ``soft_pin_action``/``soft_pin_ttl_ms`` instead and raises
+AttributeError, so the connector never initialises. When the connector module is imported, its
+``ReplicateConfig`` is replaced by a Python subclass that accepts the attribute (soft pinning only
+affects eviction). Installed by the platform hook (``activate``) in every vLLM-Omni process of a test-bed
+pod; it does nothing until that module is imported. GPU images ship a Mooncake build that has the
+attribute and never load this.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
+
+_TARGET = "vllm_omni.distributed.omni_connectors.connectors.mooncake_store_connector"
+
+
+def _patch(module: ModuleType) -> None:
+    base: Any = getattr(module, "ReplicateConfig", None)
+    if base is None or hasattr(base(), "with_soft_pin"):
+        return
+
+    class ReplicateConfig(base):  # type: ignore[misc, valid-type]
+        """Accepts ``with_soft_pin`` (ignored)."""
+
+    module.ReplicateConfig = ReplicateConfig  # type: ignore[attr-defined]
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            _patch(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Patch the connector module when it is first imported (idempotent)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
