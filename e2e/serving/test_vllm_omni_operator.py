@@ -47,6 +47,10 @@ def log_text(pod: PodProcess) -> str:
     return pod.log_path.read_text(errors="replace")
 
 
+def heads(pods: PodRunner) -> list[PodProcess]:
+    return [p for p in pods.processes("qimg-dit-") if not p.name.startswith("qimg-dit-replicas-")]
+
+
 def omnimodel(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "omnimodel.io/v1alpha1", "kind": "OmniModel", "metadata": {"name": name}, "spec": spec}
 
@@ -65,7 +69,8 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
             "qimg",
             {
                 "model": {"source": f"file:///models/tiny/{model_dir.name}", "servedName": "qwen-image"},
-                "runtime": {"kind": "vllm-omni", "extraArgs": CPU_ARGS},
+                # Round-robin (vLLM-Omni's default picks at random), so four requests split two and two.
+                "runtime": {"kind": "vllm-omni", "extraArgs": [*CPU_ARGS, "--omni-lb-policy", "round-robin"]},
                 "stages": [{"name": "dit", "replicas": 2, "accelerator": {"vendor": "cpu"}}],
             },
         )
@@ -73,7 +78,7 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
     kube.wait_ready("qimg")  # the Deployments; the processes themselves answer below
     base = f"http://qimg-gateway.{kube.ns}.svc:8000"
     wait_for(lambda: healthy(base), 300, interval=1, what="the head's /health through the API Service")
-    (head,) = pods.processes("qimg-dit-")
+    (head,) = heads(pods)
     (replica,) = pods.processes("qimg-dit-replicas-")
     wait_for(lambda: "replica attached stage=0 replica=1" in log_text(head), 120, what="the replica attached")
 
@@ -84,37 +89,46 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
     served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(head)))
     assert served == [0, 0, 1, 1], served  # the head's own replica and the replica pod's
 
-    # Kill the replica pod mid-traffic: the in-flight request ends (no hang), and the graph serves again.
-    outcome: dict[str, Any] = {}
+    # Kill the replica pod under steady traffic: no request hangs, and the graph serves again (the
+    # operator restarts the head, then the replicas, which register with it) within the bound.
+    results: list[tuple[float, float, bool]] = []  # (started, seconds, ok)
+    stop = threading.Event()
 
-    def in_flight() -> None:
-        started = time.monotonic()
-        try:
-            outcome["ok"] = bool(png(client, "qwen-image", "during the kill"))
-        except openai.APIError as err:
-            outcome["error"] = repr(err)
-        outcome["seconds"] = time.monotonic() - started
+    def traffic() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                ok = png(client, "qwen-image", "under traffic").startswith(b"\x89PNG")
+            except openai.APIError:
+                ok = False
+            results.append((started, time.monotonic() - started, ok))
+            if not ok:
+                stop.wait(1)
 
-    thread = threading.Thread(target=in_flight)
+    thread = threading.Thread(target=traffic, daemon=True)
     thread.start()
+    wait_for(lambda: len(results) >= 3, 30, what="traffic flowing")
     kube.run("delete", "pod", replica.name, "--wait=false")
     killed = time.monotonic()
+
+    def recovered() -> PodProcess | None:
+        new = [p for p in heads(pods) if p.uid != head.uid]
+        if not new or "replica attached stage=0 replica=1" not in log_text(new[0]):
+            return None
+        return new[0] if any(start > killed and ok for start, _, ok in results[-3:]) else None
+
+    new_head: PodProcess = wait_for(recovered, RECOVERY_BOUND, interval=2, what="a new head with a replica, serving")
+    recovery = time.monotonic() - killed
+    stop.set()
     thread.join(timeout=90)
-    assert not thread.is_alive(), "a request hung after its replica was killed"
-
-    def serving_again() -> bool:
-        if not healthy(base):
-            return False
-        try:
-            return png(client, "qwen-image", "after the kill").startswith(b"\x89PNG")
-        except openai.APIError:
-            return False
-
-    wait_for(serving_again, RECOVERY_BOUND, interval=2, what="images served again after the replica was killed")
-    recovered = time.monotonic() - killed
-    new_heads = [p for p in pods.processes("qimg-dit-") if not p.name.startswith("qimg-dit-replicas-")]
-    assert [p.uid for p in new_heads] != [head.uid], "the head was not restarted"
-    print(f"in-flight request: {outcome}; serving again {recovered:.0f}s after the kill")
+    assert not thread.is_alive(), "a request hung"
+    assert max(seconds for _, seconds, _ in results) < 60, "a request ran into the client timeout"
+    failed = sum(1 for start, _, ok in results if start > killed and not ok)
+    for i in range(4):
+        assert png(client, "qwen-image", f"after {i}").startswith(b"\x89PNG\r\n\x1a\n")
+    served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(new_head)))
+    assert {0, 1} <= set(served), served  # both replicas serve again
+    print(f"replica killed: serving again after {recovery:.0f}s; {failed} request(s) failed meanwhile, none hung")
 
 
 def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: Kube, pods: PodRunner) -> None:
