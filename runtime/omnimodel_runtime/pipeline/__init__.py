@@ -21,7 +21,7 @@ from omnimodel_runtime.pipeline.graph import (
     parse_pipeline,
     validation_problems,
 )
-from omnimodel_runtime.pipeline.presets import PRESETS, get_preset, preset_names
+from omnimodel_runtime.pipeline.presets import PRESETS, get_preset
 
 __all__ = [
     "PIPELINE_FILE_VERSION",
@@ -40,6 +40,5 @@ __all__ = [
     "get_preset",
     "load_pipeline",
     "parse_pipeline",
-    "preset_names",
     "validation_problems",
 ]

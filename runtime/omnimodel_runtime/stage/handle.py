@@ -17,7 +17,7 @@ import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -152,7 +152,6 @@ class Endpoint:
     in_flight: int = 0
     healthy: bool = False
     last_error: str | None = "not checked yet"
-    checked_at: float | None = field(default=None)
 
 
 class RemoteStage(StageHandle):
@@ -257,7 +256,7 @@ class RemoteStage(StageHandle):
                 "healthy" if healthy else "unhealthy",
                 f" ({error})" if error else "",
             )
-        endpoint.healthy, endpoint.last_error, endpoint.checked_at = healthy, error, time.time()
+        endpoint.healthy, endpoint.last_error = healthy, error
 
     async def _poll(self) -> None:
         while True:

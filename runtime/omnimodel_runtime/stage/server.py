@@ -83,7 +83,6 @@ def build_stage_app(
     app = FastAPI(title=f"OmniModel stage {stage.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.stage_max_body_bytes)
     app.state.startup = startup
-    app.state.metrics_registry = registry
 
     @app.get("/livez")
     async def livez() -> JSONResponse:
