@@ -23,7 +23,7 @@ from typing import Final
 import numpy as np
 
 from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.speech_common import QUERY_VOICES
+from omnimodel_runtime.engines.tts.common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Stage
 from omnimodel_runtime.protocol.speech import SPEAK_PARAM, SpeechRequest, VoiceList

@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.omni_common import GENERATION_FILE, SPEAKER_FILE
+from omnimodel_runtime.engines.omni.common import GENERATION_FILE, SPEAKER_FILE
 from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, _silence_unprintable, build_tokenizer
 
 # Placeholder and TTS control tokens the architecture refers to by id (all thinker-vocabulary ids), and

@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 
 from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import PROMPT_KIND, REPLY_KIND
-from omnimodel_runtime.engines.omni_thinker import REPLY_IDS_PARAM, SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
+from omnimodel_runtime.engines.omni.common import PROMPT_KIND, REPLY_KIND
+from omnimodel_runtime.engines.omni.thinker import REPLY_IDS_PARAM, SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
 from omnimodel_runtime.protocol.speech import SPEAK_PARAM

@@ -231,8 +231,8 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
     import torch
 
     from omnimodel_runtime.engines.base import StageInput
-    from omnimodel_runtime.engines.omni_code2wav import PagedNoise, sample_mel
-    from omnimodel_runtime.engines.omni_common import CODES_KIND, tensor_frame
+    from omnimodel_runtime.engines.omni.code2wav import PagedNoise, sample_mel
+    from omnimodel_runtime.engines.omni.common import CODES_KIND, tensor_frame
     from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TensorFrame
 
     app, _ = serve

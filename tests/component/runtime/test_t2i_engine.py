@@ -22,8 +22,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from omnimodel_runtime.engines.base import EngineContext, StageInput
-from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine, from_wire, to_wire
 from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine, from_wire, to_wire
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset

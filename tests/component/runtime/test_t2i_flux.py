@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omnimodel_runtime.engines.base import EngineContext
-from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine
 from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import Modality, ModelSource, get_preset
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR

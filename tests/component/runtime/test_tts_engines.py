@@ -22,7 +22,7 @@ from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Token
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.speech_common import GenerationBounds
+from omnimodel_runtime.engines.tts.common import GenerationBounds
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame

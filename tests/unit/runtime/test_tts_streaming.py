@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnimodel_runtime.engines.speech_common import (
+from omnimodel_runtime.engines.tts.common import (
     ChunkPlan,
     GenerationBounds,
     TimeStretch,

@@ -2,7 +2,7 @@
 stages, with request batching in denoise.
 
 The task picks the role: ``text-to-image`` (whole), ``t2i-encode``, ``t2i-denoise``, ``t2i-decode``. Each
-role loads only its components (:mod:`~omnimodel_runtime.engines.diffusers_families` says which and how
+role loads only its components (:mod:`~omnimodel_runtime.engines.t2i.families` says which and how
 the pipeline splits). What travels between stages:
 
 - encode → denoise: one ``TensorFrame`` with the prompt embeddings (and negative ones when classifier-
@@ -48,7 +48,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.diffusers_families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
 from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams, params_from_mapping

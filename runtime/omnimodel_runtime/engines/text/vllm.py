@@ -22,7 +22,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.text import GenerationDefaults, ResolvedSampling, render_prompt, resolve_sampling
+from omnimodel_runtime.engines.text.common import GenerationDefaults, ResolvedSampling, render_prompt, resolve_sampling
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,

@@ -7,7 +7,7 @@ pre-hook supplies each decode step with the row it consumes (the talker uses row
 text-end row, then the text-pad row for as long as it keeps speaking), waiting for it if the thinker has
 not produced it yet. So the talker starts on the thinker's first token and the two run side by side.
 
-Sampling uses the request's own random stream (:class:`~omnimodel_runtime.engines.omni_common.RngTurn`,
+Sampling uses the request's own random stream (:class:`~omnimodel_runtime.engines.omni.common.RngTurn`,
 seeded like the whole model: ``torch.manual_seed(seed)`` before ``generate()``); its final state goes to
 code2wav, whose diffusion noise continues the same stream, as it does in the whole model.
 """
@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2_5OmniTalkerForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
 from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
     PROMPT_KIND,
     REPLY_KIND,

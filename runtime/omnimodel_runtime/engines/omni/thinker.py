@@ -39,7 +39,7 @@ from transformers import (
 )
 
 from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     Job,
@@ -55,14 +55,14 @@ from omnimodel_runtime.engines.omni_common import (
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.speech_common import QUERY_VOICES
-from omnimodel_runtime.engines.text import (
+from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
     render_prompt,
     resolve_sampling,
 )
+from omnimodel_runtime.engines.tts.common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,

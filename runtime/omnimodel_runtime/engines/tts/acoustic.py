@@ -40,7 +40,8 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.speech_common import (
+from omnimodel_runtime.engines.threads import post, set_exception, set_result
+from omnimodel_runtime.engines.tts.common import (
     ACOUSTIC_DIR,
     DEFAULT_VOICE,
     MAX_SPEED,
@@ -52,7 +53,6 @@ from omnimodel_runtime.engines.speech_common import (
     load_voices,
     stage_dir,
 )
-from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,

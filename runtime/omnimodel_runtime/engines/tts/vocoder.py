@@ -1,7 +1,7 @@
 """HiFi-GAN vocoder stage (``tts-vocoder``): log-mel frames from the acoustic stage -> waveform, streamed.
 
 With ``stream=True`` the vocoder starts on the first mel chunk instead of waiting for the utterance: it
-vocodes chunk by chunk as frames arrive (see :class:`~omnimodel_runtime.engines.speech_common.ChunkPlan`),
+vocodes chunk by chunk as frames arrive (see :class:`~omnimodel_runtime.engines.tts.common.ChunkPlan`),
 each over a window that carries HiFi-GAN's receptive field on both sides, so chunks join without seams.
 The concatenated chunks equal the whole-utterance waveform up to float rounding of the convolutions over
 different window lengths (measured: < 2e-6, at most 1 LSB after 16-bit quantisation). With
@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.speech_common import (
+from omnimodel_runtime.engines.tts.common import (
     VOCODER_DIR,
     ChunkPlan,
     ChunkWindow,

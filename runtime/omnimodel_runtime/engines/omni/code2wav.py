@@ -35,7 +35,7 @@ from transformers import Qwen2_5OmniToken2WavModel
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
 from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.omni.common import (
     AUDIO_META,
     CODES_KIND,
     RNG_KIND,
@@ -53,7 +53,7 @@ from omnimodel_runtime.engines.omni_common import (
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.speech_common import MAX_SPEED, MIN_SPEED, TimeStretch
+from omnimodel_runtime.engines.tts.common import MAX_SPEED, MIN_SPEED, TimeStretch
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, StageRequest, TensorFrame, Usage
 

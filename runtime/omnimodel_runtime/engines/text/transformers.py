@@ -38,7 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.text import (
+from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
