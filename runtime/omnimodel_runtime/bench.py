@@ -193,8 +193,7 @@ class _Direct:
         self.max_tokens = max_tokens
 
     async def run(self, prompt: str, *, stream: bool = True) -> Sample:
-        from omnimodel_runtime.engines.base import StageInput
-        from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TextFrame
+        from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageInput, StageRequest, TextFrame
 
         request = StageRequest(
             request_id=secrets.token_hex(8),
@@ -593,14 +592,11 @@ async def _speech_direct(args: argparse.Namespace) -> AsyncIterator[Any]:
 
 async def _direct_speech(orchestrator: Any, text: str) -> SpeechSample:
     from omnimodel_runtime.pipeline import Modality
-    from omnimodel_runtime.protocol.speech import SPEAK_PARAM
-    from omnimodel_runtime.protocol.stage import StageRequest, TensorFrame
+    from omnimodel_runtime.protocol.stage import StageParams, StageRequest, TensorFrame
 
     # As the speech route asks: a chat model at the entry (the omni thinker) must speak, not answer.
     speak = Modality.TEXT in orchestrator.pipeline.entry.outputs
-    request = StageRequest(
-        request_id=secrets.token_hex(8), prompt=text, stream=False, params={SPEAK_PARAM: True} if speak else {}
-    )
+    request = StageRequest(request_id=secrets.token_hex(8), prompt=text, stream=False, params=StageParams(speak=speak))
     started = time.perf_counter()
     samples, rate = 0, 1
     async for _, frame in orchestrator.generate_chain(request, [Modality.AUDIO]):

@@ -6,16 +6,17 @@ completions on an image pipeline answer with the images as ``image_url`` data-UR
 ``message.content`` (vLLM-Omni's behaviour). Every field the runtime acts on is validated here, so a bad
 value is a 400 naming the field before any stage sees the request.
 
-:class:`TextToImageParams` is what travels in ``StageRequest.params`` to the encode, denoise and decode
-stages (or the one whole-pipeline stage); stages validate it again, since a stage server may be called
-by something other than our gateway. Torch-free: the gateway imports this module.
+:class:`TextToImageParams` is what travels in ``StageRequest.params.image`` to the encode, denoise and
+decode stages (or the one whole-pipeline stage); a stage server validates it again when it decodes a
+request, since it may be called by something other than our gateway. Torch-free: the gateway imports
+this module.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Final, Literal, Self
+from typing import Annotated, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -227,8 +228,3 @@ class ImageChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ImageChatChoice]
     usage: UsageInfo
-
-
-def params_from_mapping(data: Any) -> TextToImageParams:
-    """Validate ``StageRequest.params`` (raises pydantic's ``ValidationError``)."""
-    return TextToImageParams.model_validate(dict(data or {}))

@@ -43,7 +43,7 @@ from omnimodel_runtime.protocol.openai import (
     ChatMessage,
     UsageInfo,
 )
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, TextFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageParams, TensorFrame, TextFrame
 from omnimodel_runtime.serving.audio import to_pcm16, wav_bytes
 from omnimodel_runtime.serving.errors import APIError, error_body
 from omnimodel_runtime.serving.text import DONE, ChatService, sse
@@ -116,10 +116,9 @@ class ChatAudioService:
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         request_id = secrets.token_hex(16)
         base = self.chat.stage_request(req, request_id)
-        params = {"modalities": ["text", "audio"], "audio_chunked": req.stream}
-        voice = self.voice(req)
-        if voice is not None:
-            params["voice"] = voice
+        params = StageParams(
+            modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=req.stream, voice=self.voice(req)
+        )
         stage_request = base.model_copy(update={"params": params})
         # The transcript is the thinker's text, so text is produced even when only audio is asked for.
         chain = self.chat.orchestrator.generate_chain(stage_request, [Modality.TEXT, Modality.AUDIO])

@@ -1,6 +1,6 @@
 """Images out of a pipeline: ``/v1/images/generations`` and chat completions on an image pipeline.
 
-OpenAI request → one stage request (the prompt, and the diffusion parameters in ``params``) → the chain
+OpenAI request → one stage request (the prompt, and the diffusion parameters in ``params.image``) → the chain
 of stages the image needs → ``(n, H, W, 3)`` uint8 pixels from the exit stage → PNG → base64 in the
 response (``data[i].b64_json``, or an ``image_url`` data URL in ``message.content`` for chat, as
 vLLM-Omni answers). PNG encoding runs on a worker thread (zlib releases the GIL): at 1024² it takes tens
@@ -37,7 +37,7 @@ from omnimodel_runtime.protocol.images import (
     TextToImageParams,
 )
 from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
-from omnimodel_runtime.protocol.stage import FinalFrame, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 
@@ -121,7 +121,7 @@ class ImageService:
             prompt=prompt,
             deadline=time.time() + self.request_timeout,
             stream=False,
-            params=params.model_dump(exclude_none=True),
+            params=StageParams(image=params),
         )
 
     async def generate(self, request: StageRequest, n: int) -> Generated:

@@ -2,7 +2,7 @@
 
 The request runs the pipeline's audio chain (acoustic -> vocoder on the ``tts`` preset, thinker -> talker
 -> code2wav on ``qwen2.5-omni``) as one streaming chain: the vocoder starts on the first mel chunk. A
-chat model at the entry is told to speak the input verbatim (``SPEAK_PARAM``), not to answer it. A
+chat model at the entry is told to speak the input verbatim (``StageParams.speak``), not to answer it. A
 stream waits for the first audio before the HTTP response starts, so a request that fails early (unknown
 voice, input too long, a stage down) still gets a proper status and error envelope, and the sample rate
 is known for the ``X-Sample-Rate`` header. A failure after the first bytes cannot become an error body in
@@ -22,12 +22,19 @@ from typing import Final
 
 import numpy as np
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.tts.common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Stage
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM, SpeechRequest, VoiceList
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.protocol.stage import (
+    QUERY_VOICES,
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+)
 from omnimodel_runtime.serving.audio import MEDIA_TYPES, encode_audio, to_pcm16, unsupported_reason
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.orchestrator import Orchestrator
@@ -112,10 +119,8 @@ class SpeechService:
         reason = unsupported_reason(fmt)
         if reason is not None:
             raise APIError(reason, param="response_format")
-        params: dict[str, object] = {"voice": req.voice_name, "speed": req.speed}
-        if Modality.TEXT in self.entry.outputs:
-            # A chat model (the Qwen2.5-Omni thinker) would answer the input: tell it to say it.
-            params[SPEAK_PARAM] = True
+        # A chat model at the entry (the Qwen2.5-Omni thinker) would answer the input: tell it to say it.
+        params = StageParams(voice=req.voice_name, speed=req.speed, speak=Modality.TEXT in self.entry.outputs)
         request = StageRequest(
             request_id=request_id,
             prompt=req.input,
@@ -183,7 +188,7 @@ class SpeechService:
 
     async def voices(self) -> VoiceList:
         """Ask the entry stage which voices its model ships."""
-        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params={"query": QUERY_VOICES})
+        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params=StageParams(query=QUERY_VOICES))
         frames = self.orchestrator.handles[self.entry.name].generate(StageInput(request=request))
         try:
             async for frame in frames:

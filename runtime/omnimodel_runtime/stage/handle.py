@@ -14,7 +14,6 @@ import ipaddress
 import itertools
 import logging
 import socket
-import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -23,12 +22,19 @@ from typing import Any
 import aiohttp
 import httpx
 
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError, StageUnavailableError
-from omnimodel_runtime.metrics import StageMetrics
+from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame, encode_frame_bytes
-from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, RequestFrame, ResponseFrame
+from omnimodel_runtime.protocol.stage import (
+    GENERATE_PATH,
+    ErrorFrame,
+    FinalFrame,
+    RequestFrame,
+    ResponseFrame,
+    StageInput,
+)
 from omnimodel_runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -39,9 +45,6 @@ _LOAD_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] 
 
 def _load_lock() -> asyncio.Lock:
     return _LOAD_LOCKS.setdefault(asyncio.get_running_loop(), asyncio.Lock())
-
-
-GENERATE_PATH = "/v1/stage/generate"
 
 
 class StageHandle(abc.ABC):
@@ -74,29 +77,6 @@ class StageHandle(abc.ABC):
     @abc.abstractmethod
     def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         """Run one request on the stage; raises ``StageError`` on failure."""
-
-
-async def instrumented(frames: AsyncIterator[ResponseFrame], metrics: StageMetrics) -> AsyncIterator[ResponseFrame]:
-    """Record in-flight count, time to first frame, latency and outcome around an engine stream."""
-    started = time.perf_counter()
-    metrics.request_started()
-    outcome, prompt_tokens, first = "cancelled", 0, True
-    try:
-        async for frame in frames:
-            if first:
-                metrics.first_frame(time.perf_counter() - started)
-                first = False
-            if isinstance(frame, FinalFrame):
-                outcome, prompt_tokens = "ok", frame.usage.prompt_tokens
-            yield frame
-    except StageError as err:
-        outcome = "rejected" if err.status < 500 else "error"
-        raise
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        metrics.request_finished(outcome=outcome, duration=time.perf_counter() - started, prompt_tokens=prompt_tokens)
 
 
 class LocalStage(StageHandle):

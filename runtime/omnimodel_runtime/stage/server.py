@@ -16,15 +16,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.engines.registry import load_engine
 from omnimodel_runtime.errors import RuntimeSetupError, StageError
-from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, StageMetrics, render
+from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, StageMetrics, instrumented, render
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameError, aiter_frames, encode_frame_bytes
-from omnimodel_runtime.protocol.stage import ErrorFrame, RequestFrame, ResponseFrame
+from omnimodel_runtime.protocol.stage import GENERATE_PATH, ErrorFrame, RequestFrame, ResponseFrame, StageInput
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import GENERATE_PATH, instrumented
 from omnimodel_runtime.web import BodyLimitMiddleware, Startup, StreamResponse
 
 log = logging.getLogger(__name__)

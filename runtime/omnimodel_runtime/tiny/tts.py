@@ -38,7 +38,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.tts.common import ACOUSTIC_DIR, SPEECH_CONFIG, VOCODER_DIR, VOICES_DIR
+from omnimodel_runtime.layout import ACOUSTIC_DIR, SPEECH_CONFIG, VOCODER_DIR, VOICES_DIR
 
 SPM_FILE: Final = "spm_char.model"
 

@@ -230,10 +230,16 @@ async def test_bad_input_gets_a_4xx_envelope(
 async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tuple[Any, httpx.AsyncClient]) -> None:
     import torch
 
-    from omnimodel_runtime.engines.base import StageInput
     from omnimodel_runtime.engines.omni.code2wav import PagedNoise, sample_mel
     from omnimodel_runtime.engines.omni.common import CODES_KIND, tensor_frame
-    from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TensorFrame
+    from omnimodel_runtime.protocol.stage import (
+        FinalFrame,
+        SamplingParams,
+        StageInput,
+        StageParams,
+        StageRequest,
+        TensorFrame,
+    )
 
     app, _ = serve
     engine = app.state.orchestrator.handles["code2wav"].engine
@@ -248,7 +254,7 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
         request_id="chunked",
         prompt="",
         sampling=SamplingParams(seed=7),
-        params={"audio_chunked": True, "voice": "Chelsie"},
+        params=StageParams(audio_chunked=True, voice="Chelsie"),
     )
     pieces = [
         f.tensors["audio"]
@@ -276,7 +282,7 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
 
 async def test_a_client_going_away_stops_every_stage(serve: tuple[Any, httpx.AsyncClient]) -> None:
     from omnimodel_runtime.pipeline import Modality
-    from omnimodel_runtime.protocol.stage import SamplingParams, StageRequest, TensorFrame
+    from omnimodel_runtime.protocol.stage import SamplingParams, StageParams, StageRequest, TensorFrame
 
     app, _ = serve
     orchestrator = app.state.orchestrator
@@ -285,7 +291,7 @@ async def test_a_client_going_away_stops_every_stage(serve: tuple[Any, httpx.Asy
         messages=tuple(USER),
         # Thousands of thinker steps: far longer than the deadline below, unless the request is aborted.
         sampling=SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0),
-        params={"modalities": ["text", "audio"], "audio_chunked": True},
+        params=StageParams(modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=True),
     )
     chain = orchestrator.generate_chain(request, [Modality.TEXT, Modality.AUDIO])
     async for stage, frame in chain:

@@ -18,13 +18,14 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from runtime_fakes import fake_context, omni_pipeline
 
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import Modality, Pipeline
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
     TextFrame,

@@ -20,11 +20,11 @@ from prometheus_client import CollectorRegistry
 from runtime_fakes import asgi_client, fake_context, lifespan, openai_client
 
 from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.metrics import StageMetricsFamily
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import LocalStage, StageHandle
 
@@ -55,13 +55,13 @@ class FakeAcoustic(Engine):
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         request = inp.request
-        if request.params.get("query") == "voices":
+        if request.params.query == "voices":
             yield TensorFrame({}, meta={"voices": ["alto", "default"], "default": "default"})
             yield FinalFrame("stop")
             return
         self.requests.append(inp)
-        if request.params.get("voice") not in ("default", "alto"):
-            raise StageError(f"unknown voice {request.params.get('voice')!r}", status=400, param="voice")
+        if request.params.voice not in ("default", "alto"):
+            raise StageError(f"unknown voice {request.params.voice!r}", status=400, param="voice")
         text = request.prompt or ""
         mel = mel_of(text)
         for start in range(0, len(mel), 8):
@@ -129,7 +129,7 @@ async def test_speech_returns_a_wav_file_with_the_pipeline_audio(tts: tuple[http
     np.testing.assert_array_equal(samples, pcm(audio_of(mel_of("Hello"))))
     (inp,) = acoustic.requests
     assert inp.request.prompt == "Hello"
-    assert dict(inp.request.params) == {"voice": "alto", "speed": 1.5}
+    assert inp.request.params == StageParams(voice="alto", speed=1.5)
     assert inp.request.stream is False
 
 

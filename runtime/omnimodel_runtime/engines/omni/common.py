@@ -34,15 +34,16 @@ import torch
 from transformers import Qwen2_5OmniConfig
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM
+from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,
     FinalFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
 )
@@ -59,8 +60,6 @@ RNG_KIND: Final = "omni.talker.rng"  # talker -> code2wav, the talker's generato
 AUDIO_META: Final = {"modality": "audio"}  # code2wav -> client (plus sample_rate)
 
 SAMPLE_RATE: Final = 24000
-GENERATION_FILE: Final = "omni_generation_config.json"
-SPEAKER_FILE: Final = "spk_dict.pt"
 # The whole model's generate() uses this voice when none is named.
 DEFAULT_VOICE: Final = "Chelsie"
 # The seed of a speech request that names none.
@@ -157,9 +156,9 @@ def load_prefixed(module: torch.nn.Module, model_dir: Path, prefix: str) -> None
 
 
 def generation_overrides(model_dir: Path, part: str, engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """Stage parameters from the model directory's :data:`GENERATION_FILE` (``{part: {...}}``), then the
+    """Stage parameters from the model directory's :data:`OMNI_GENERATION_FILE` (``{part: {...}}``), then the
     stage's ``engine_args`` (``{part}_{key}`` or a ``generation`` mapping) on top."""
-    path = model_dir / GENERATION_FILE
+    path = model_dir / OMNI_GENERATION_FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
     out = dict(data.get(part, {}))
     out.update(engine_args.get("generation", {}) or {})
@@ -179,9 +178,9 @@ class Speakers:
 
     @classmethod
     def load(cls, model_dir: Path) -> Speakers:
-        path = model_dir / SPEAKER_FILE
+        path = model_dir / OMNI_SPEAKER_FILE
         if not path.is_file():
-            raise RuntimeError(f"{model_dir} has no {SPEAKER_FILE}: the model has no voices")
+            raise RuntimeError(f"{model_dir} has no {OMNI_SPEAKER_FILE}: the model has no voices")
         data = torch.load(path, weights_only=True, map_location="cpu")
         return cls(entries={str(k): v for k, v in data.items()})
 
@@ -214,19 +213,10 @@ class Speakers:
         return self.entries[name]
 
 
-def request_voice(request: StageRequest) -> str | None:
-    voice = request.params.get("voice")
-    return None if voice is None else str(voice)
-
-
-def speaks(request: StageRequest) -> bool:
-    """Whether this is a ``/v1/audio/speech`` request: say ``prompt`` verbatim instead of answering it."""
-    return bool(request.params.get(SPEAK_PARAM))
-
-
 def voice_param(request: StageRequest) -> str:
-    """The API field that names the voice, for error messages."""
-    return "voice" if speaks(request) else "audio.voice"
+    """The API field that names the voice, for error messages: ``/v1/audio/speech`` requests (the thinker
+    speaks their text verbatim) name it ``voice``, chat requests ``audio.voice``."""
+    return "voice" if request.params.speak else "audio.voice"
 
 
 def request_seed(request: StageRequest) -> int:
@@ -236,7 +226,7 @@ def request_seed(request: StageRequest) -> int:
     seed = request.sampling.seed
     if seed is not None:
         return seed
-    return SPEECH_SEED if speaks(request) else secrets.randbits(63)
+    return SPEECH_SEED if request.params.speak else secrets.randbits(63)
 
 
 # ---------------------------------------------------------------- randomness

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from transformers import Qwen2_5OmniTalkerForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
-from omnimodel_runtime.engines.base import StageInput
 from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
     PROMPT_KIND,
@@ -39,7 +38,15 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
 )
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageRequest, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+    Usage,
+)
 
 # The whole model's generate() defaults for its talker (eos/pad come from the talker config).
 TALKER_DEFAULTS: dict[str, Any] = {
@@ -50,8 +57,6 @@ TALKER_DEFAULTS: dict[str, Any] = {
     "temperature": 0.9,
     "repetition_penalty": 1.05,
 }
-# Internal request parameter (warm-up, benchmarks): a lower cap on codes for this request.
-MAX_CODES_PARAM = "talker_max_new_tokens"
 
 
 class OmniTalkerEngine(OmniEngine):
@@ -99,7 +104,9 @@ class OmniTalkerEngine(OmniEngine):
             yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
             yield FinalFrame("stop")
 
-        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params={MAX_CODES_PARAM: 2})
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
+        )
         async for _ in self.generate(StageInput(request=request, upstream=upstream())):
             pass
 
@@ -147,9 +154,9 @@ class OmniTalkerEngine(OmniEngine):
             return args, kwargs
 
         generation = dict(self._generation)
-        cap = job.request.params.get(MAX_CODES_PARAM)
+        cap = job.request.params.talker_max_new_tokens
         if cap is not None:
-            generation["max_new_tokens"] = min(int(cap), int(generation["max_new_tokens"]))
+            generation["max_new_tokens"] = min(cap, int(generation["max_new_tokens"]))
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )

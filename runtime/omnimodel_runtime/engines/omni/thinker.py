@@ -38,7 +38,6 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from omnimodel_runtime.engines.base import StageInput
 from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
@@ -49,9 +48,7 @@ from omnimodel_runtime.engines.omni.common import (
     load_config,
     load_part,
     quiet_transformers,
-    request_voice,
     rows_to_wire,
-    speaks,
     tensor_frame,
     voice_param,
 )
@@ -62,12 +59,15 @@ from omnimodel_runtime.engines.text.common import (
     render_prompt,
     resolve_sampling,
 )
-from omnimodel_runtime.engines.tts.common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.stage import (
+    QUERY_VOICES,
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
+    StageParams,
     StageRequest,
     TensorFrame,
     TextFrame,
@@ -76,9 +76,6 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-# Stage-request parameter: token ids the thinker teacher-forces as its reply instead of sampling one
-# (after the prompt given as usual). Speech requests get theirs from the input text.
-REPLY_IDS_PARAM: Final = "reply_ids"
 # The released model's default system prompt. Its model card: audio output works as expected only with
 # this system prompt, so a speech request is framed by it too.
 SPEECH_SYSTEM_PROMPT: Final = (
@@ -94,18 +91,19 @@ _TEXT_MARK: Final = "\x00omnimodel-speech-input\x00"
 
 def wants_audio(request: StageRequest) -> bool:
     """Whether this request continues into the talker (the gateway says so in ``params``)."""
-    return speaks(request) or "audio" in (request.params.get("modalities") or ())
+    return request.params.speak or Modality.AUDIO in request.params.modalities
 
 
 def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[int] | None:
-    given = request.params.get(REPLY_IDS_PARAM)
+    """The reply to teacher-force when the request gives one (speech requests get theirs from their text)."""
+    given = request.params.reply_ids
     if given is None:
         return None
-    if not isinstance(given, list | tuple) or not all(isinstance(t, int) and 0 <= t < vocab for t in given):
-        raise StageError(f"{REPLY_IDS_PARAM} must be a list of token ids below {vocab}", status=400)
+    if not all(0 <= t < vocab for t in given):
+        raise StageError(f"reply_ids must be a list of token ids below {vocab}", status=400)
     if eos.intersection(given):
         # generate() would stop at it: the reply would end early and silently.
-        raise StageError(f"{REPLY_IDS_PARAM} must not contain end-of-sequence tokens", status=400)
+        raise StageError("reply_ids must not contain end-of-sequence tokens", status=400)
     return list(given)
 
 
@@ -205,7 +203,7 @@ class OmniThinkerEngine(OmniEngine):
         return [*head, *reply, *tail], reply
 
     def query(self, request: StageRequest) -> list[ResponseFrame] | None:
-        if request.params.get("query") != QUERY_VOICES:
+        if request.params.query != QUERY_VOICES:
             return None
         if self._speakers is None:
             return [FinalFrame("stop")]  # no voices: the speech route says so
@@ -217,7 +215,7 @@ class OmniThinkerEngine(OmniEngine):
             request_id=f"warmup-{secrets.token_hex(4)}",
             prompt="Warm up.",
             sampling=SamplingParams(max_tokens=2, temperature=0.0),
-            params={"modalities": ["text", "audio"]} if self._speakers is not None else {},
+            params=StageParams(modalities=(Modality.TEXT, Modality.AUDIO) if self._speakers is not None else ()),
         )
         async for _ in self.generate(StageInput(request=request)):
             pass
@@ -225,7 +223,7 @@ class OmniThinkerEngine(OmniEngine):
     def prepare(self, inp: StageInput, job: Job) -> None:
         request = inp.request
         reply: list[int] | None
-        if speaks(request):
+        if request.params.speak:
             text = request.prompt or ""
             if not text.strip():
                 raise StageError("input must contain text to speak", status=400, param="input")
@@ -257,7 +255,7 @@ class OmniThinkerEngine(OmniEngine):
         if job.data["audio"]:
             if self._speakers is None:
                 raise StageError("this checkpoint has no audio output (no talker)", status=400, param="modalities")
-            voice = self._speakers.resolve(request_voice(request), param=voice_param(request))
+            voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
             job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
 
     def run(self, job: Job) -> None:

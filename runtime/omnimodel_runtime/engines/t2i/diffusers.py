@@ -43,19 +43,20 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
-from pydantic import ValidationError
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
 from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams, params_from_mapping
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
 from omnimodel_runtime.protocol.stage import (
     ErrorFrame,
     FinalFrame,
     ResponseFrame,
+    StageInput,
+    StageParams,
     StageRequest,
     TensorFrame,
     Usage,
@@ -127,13 +128,10 @@ class Resolved:
 
 
 def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
-    """Validate ``request.params`` against the model; a bad value is a 400 naming the field."""
-    try:
-        params: TextToImageParams = params_from_mapping(request.params)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "params"
-        raise StageError(f"{loc}: {first['msg']}", status=400, param=loc) from None
+    """Fill ``request.params.image`` from the model's defaults and check it against the model (its size
+    rule); a bad value is a 400 naming the field. The parameters' own bounds were checked when the
+    request was built (or decoded from the wire)."""
+    params = request.params.image
     width = params.width if params.width is not None else defaults.width
     height = params.height if params.height is not None else defaults.height
     if width % defaults.multiple or height % defaults.multiple:
@@ -258,8 +256,10 @@ class DiffusersImageEngine(Engine):
         """One smallest-size, two-step request through the role's whole code path (kernels, allocator)."""
         side = self.defaults.multiple
         # Two steps: with a terminal shift (Qwen-Image's scheduler) a one-step schedule divides by zero.
-        params = {"width": side, "height": side, "num_inference_steps": 2, "seed": 0}
-        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.", params=params)
+        image = TextToImageParams(width=side, height=side, num_inference_steps=2, seed=0)
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.", params=StageParams(image=image)
+        )
         upstream: AsyncIterator[Any] | None = None
         if self.role in (Role.DENOISE, Role.DECODE):
             tensors = await asyncio.to_thread(self._dummy_inputs, side)

@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
@@ -52,6 +52,7 @@ from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
     StageRequest,
     TextFrame,
     Usage,

@@ -20,7 +20,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
 from omnimodel_runtime.engines.text.common import GenerationDefaults, ResolvedSampling, render_prompt, resolve_sampling
 from omnimodel_runtime.errors import StageError
@@ -28,6 +28,7 @@ from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
     StageRequest,
     TextFrame,
     Usage,

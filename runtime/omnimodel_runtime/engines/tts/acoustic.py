@@ -38,26 +38,24 @@ import torch
 from transformers import SpeechT5ForTextToSpeech, SpeechT5Tokenizer
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
 from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.engines.tts.common import (
-    ACOUSTIC_DIR,
     DEFAULT_VOICE,
-    MAX_SPEED,
-    MIN_SPEED,
-    QUERY_VOICES,
-    VOICES_DIR,
     GenerationBounds,
-    TimeStretch,
     load_voices,
     stage_dir,
 )
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.layout import ACOUSTIC_DIR, VOICES_DIR
 from omnimodel_runtime.protocol.stage import (
+    QUERY_VOICES,
     ErrorFrame,
     FinalFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
     Usage,
@@ -187,7 +185,7 @@ class SpeechT5AcousticEngine(Engine):
         if self._thread is None or self._loop is None:
             raise StageError("the engine is not running", status=503, type="service_unavailable")
         request = inp.request
-        if request.params.get("query") == QUERY_VOICES:
+        if request.params.query == QUERY_VOICES:
             yield TensorFrame({}, meta={"voices": self.voices, "default": DEFAULT_VOICE})
             yield FinalFrame("stop")
             return
@@ -210,17 +208,12 @@ class SpeechT5AcousticEngine(Engine):
         text = request.prompt or ""
         if not text.strip():
             raise StageError("the input text is empty", status=400, param="input")
-        voice = str(request.params.get("voice") or DEFAULT_VOICE)
+        voice = request.params.voice or DEFAULT_VOICE
         if voice not in self._voices:
             raise StageError(
                 f"unknown voice {voice!r} (this model has: {', '.join(self.voices)})", status=400, param="voice"
             )
-        try:
-            speed = float(request.params.get("speed", 1.0))
-        except (TypeError, ValueError):
-            raise StageError("speed must be a number", status=400, param="speed") from None
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise StageError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}", status=400, param="speed")
+        speed = checked_speed(request.params.speed)
         ids: list[int] = self._tokenizer(text).input_ids
         if len(ids) > self._max_tokens:
             raise StageError(

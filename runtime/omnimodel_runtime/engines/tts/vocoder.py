@@ -23,10 +23,9 @@ import torch
 from transformers import SpeechT5HifiGan
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
 from omnimodel_runtime.engines.tts.common import (
-    VOCODER_DIR,
     ChunkPlan,
     ChunkWindow,
     Worker,
@@ -34,7 +33,8 @@ from omnimodel_runtime.engines.tts.common import (
     stage_dir,
 )
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.layout import VOCODER_DIR
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, Usage
 
 log = logging.getLogger(__name__)
 
