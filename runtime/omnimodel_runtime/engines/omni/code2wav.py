@@ -41,8 +41,8 @@ from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
     RNG_KIND,
     SAMPLE_RATE,
-    Job,
     OmniEngine,
+    OmniJob,
     Speakers,
     generation_overrides,
     load_config,
@@ -177,7 +177,7 @@ class OmniCode2WavEngine(OmniEngine):
         assert self._speakers is not None, "the engine is not loaded"
         return self._speakers
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         with quiet_transformers():
@@ -201,7 +201,7 @@ class OmniCode2WavEngine(OmniEngine):
         async for _ in self.generate(StageInput(request=request, upstream=upstream())):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
             raise StageError("code2wav takes its input from the talker stage", status=400)
         assert self._speakers is not None
@@ -216,7 +216,7 @@ class OmniCode2WavEngine(OmniEngine):
         job.data["paged_noise"] = request.params.speak
         job.data["speed"] = checked_speed(request.params.speed)
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         if job.data["chunked"]:
             self._run_chunked(job)
         else:
@@ -224,7 +224,7 @@ class OmniCode2WavEngine(OmniEngine):
 
     # ------------------------------------------------------------ whole (exact) path
 
-    def _run_whole(self, job: Job) -> None:
+    def _run_whole(self, job: OmniJob) -> None:
         codes: list[int] = []
         rng: TensorFrame | None = None
         for frame in job.upstream():
@@ -252,13 +252,13 @@ class OmniCode2WavEngine(OmniEngine):
             self._emit_audio(job, self.model.code2wav_bigvgan_model(mel))
         job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
 
-    def _paged_noise(self, job: Job) -> PagedNoise:
+    def _paged_noise(self, job: OmniJob) -> PagedNoise:
         assert self._plan is not None
         dit = self.model.code2wav_dit_model
         return PagedNoise(job.data["seed"], self._plan.block * int(dit.repeats), int(dit.mel_dim), self.device)
 
     @staticmethod
-    def _stretch(job: Job) -> TimeStretch | None:
+    def _stretch(job: OmniJob) -> TimeStretch | None:
         speed: float = job.data["speed"]
         return None if speed == 1.0 else TimeStretch(speed)
 
@@ -267,7 +267,7 @@ class OmniCode2WavEngine(OmniEngine):
         frames = stretch.push(mel[0].transpose(0, 1).to("cpu").numpy(), final=final)
         return torch.from_numpy(np.ascontiguousarray(frames.T)).unsqueeze(0).to(self.device)
 
-    def _noise_generator(self, job: Job, rng: TensorFrame | None) -> torch.Generator:
+    def _noise_generator(self, job: OmniJob, rng: TensorFrame | None) -> torch.Generator:
         """The whole model draws the DiT's noise right after the talker's last sample: continue the
         talker's stream when it ran on this device type; else (or without it) a stream from the seed."""
         gen = torch.Generator(device=self.device)
@@ -279,7 +279,7 @@ class OmniCode2WavEngine(OmniEngine):
 
     # ------------------------------------------------------------ chunked (streaming) path
 
-    def _run_chunked(self, job: Job) -> None:
+    def _run_chunked(self, job: OmniJob) -> None:
         assert self._plan is not None
         plan = self._plan
         dit, vocoder = self.model.code2wav_dit_model, self.model.code2wav_bigvgan_model
@@ -332,7 +332,7 @@ class OmniCode2WavEngine(OmniEngine):
                 break
         job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
 
-    def _emit_audio(self, job: Job, waveform: torch.Tensor) -> None:
+    def _emit_audio(self, job: OmniJob, waveform: torch.Tensor) -> None:
         samples = waveform.detach().reshape(-1).float().to("cpu").numpy()
         if samples.size:
             job.emit(TensorFrame({"audio": samples}, meta={**AUDIO_META, "sample_rate": SAMPLE_RATE}))

@@ -8,9 +8,9 @@
 - **Per-request randomness** for Hugging Face ``generate()``: its sampling draws from the process-global
   generator, which the thinker and talker (and other requests) would otherwise share. :class:`RngTurn`
   lends the global generator to one request for exactly the span of one sampling step.
-- **The worker**: one thread per engine, fed by a queue, one request at a time (the modules keep per-call
-  state such as ``rope_deltas`` during ``generate()``, so one instance must not run two calls at once);
-  frames are posted back to the event loop thread-safely, cancellation is a flag checked every step.
+- **The worker** (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`), one request at a time (the
+  modules keep per-call state such as ``rope_deltas`` during ``generate()``, so one instance must not run
+  two calls at once); cancellation is a flag checked every step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import queue
 import secrets
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +33,12 @@ import torch
 from transformers import Qwen2_5OmniConfig
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.threads import set_exception, set_result
+from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
-    FinalFrame,
     ResponseFrame,
     StageInput,
     StageRequest,
@@ -286,37 +283,23 @@ class RngTurn:
 # ---------------------------------------------------------------- the worker
 
 
-class CancelledRequestError(Exception):
-    """Raised inside the worker when the caller went away or the deadline passed."""
-
-
 _END: Final = object()  # end of an upstream feed
-_STOP: Final = object()  # worker shutdown
 
 
-@dataclass(eq=False)
-class Job:
-    """One request inside a worker. ``cancelled`` is the only field the event loop writes."""
+@dataclass(eq=False, kw_only=True)
+class OmniJob(Job):
+    """One request inside an omni worker: its upstream feed and what ``prepare`` worked out (``data``).
+    ``emit``, ``check`` and ``upstream`` are the worker's side of the job, through its engine."""
 
-    request: StageRequest
-    out: asyncio.Queue[ResponseFrame]
-    loop: asyncio.AbstractEventLoop
+    engine: OmniEngine
     feed: queue.Queue[Any] = field(default_factory=queue.Queue)
-    cancelled: bool = False
     data: dict[str, Any] = field(default_factory=dict)
 
     def emit(self, frame: ResponseFrame) -> None:
-        # The loop may be gone during shutdown; nobody is listening then.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.out.put_nowait, frame)
+        self.engine.send(self, frame)
 
     def check(self) -> None:
-        """Abort the request (in the worker) when nobody wants it any more."""
-        if self.cancelled:
-            raise CancelledRequestError
-        deadline = self.request.deadline
-        if deadline is not None and time.time() >= deadline:
-            raise StageError("the request ran past its deadline", status=504, type="timeout")
+        self.engine.check(self)
 
     def upstream(self, poll: float = 0.05) -> Iterator[ResponseFrame]:
         """The upstream stage's frames, blocking until each arrives (checking for cancellation)."""
@@ -333,26 +316,24 @@ class Job:
             yield item
 
 
-class OmniEngine(Engine, abc.ABC):
-    """A worker-thread engine running one Qwen2.5-Omni part; subclasses load and run requests."""
+class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
+    """A worker-thread engine running one Qwen2.5-Omni part, one request at a time (the modules keep
+    per-call state such as ``rope_deltas`` during ``generate()``); subclasses load and run requests."""
 
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
         self.args = dict(context.stage.engine_args)
         self.device = resolve_device(context.settings.device)
         self.dtype = torch_dtype(self.args.get("dtype"), self.device)
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._current: Job | None = None  # the job the worker is running (so stop() can abort it)
+        self._current: OmniJob | None = None  # the job the worker is running
 
     # ------------------------------------------------------------ subclass hooks
 
     @abc.abstractmethod
-    def load(self) -> None:
-        """Load the part (worker thread)."""
+    def load_part(self) -> None:
+        """Load the part (worker thread, inference mode)."""
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         """Validate the request on the event loop (raise ``StageError`` 4xx); may fill ``job.data``."""
 
     def query(self, request: StageRequest) -> list[ResponseFrame] | None:
@@ -361,69 +342,63 @@ class OmniEngine(Engine, abc.ABC):
         return None
 
     @abc.abstractmethod
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         """Serve one request on the worker thread, emitting frames; the worker adds nothing after it."""
 
-    # ------------------------------------------------------------ life cycle
+    # ------------------------------------------------------------ the worker
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
+    def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        current = self._current
-        if current is not None:
-            # A talker waiting for rows that will never come must not hold the shutdown forever.
-            current.cancelled = True
-        await asyncio.to_thread(thread.join)
-        self._thread = None
+    def load(self) -> None:
+        with torch.inference_mode():
+            self.load_part()
+        log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
 
-    def queue_depth(self) -> int:
-        return self._inbox.qsize()
+    def serve(self) -> None:
+        while (job := self.take()) is not None:
+            if job.cancelled:
+                continue
+            self._current = job
+            try:
+                self.run(job)
+            except CancelledRequestError:
+                pass
+            except Exception as err:  # a failed request fails itself, not the engine
+                self.fail(job, err)
+                self.flush()
+            finally:
+                self._current = None
 
     @property
     def busy(self) -> bool:
         """Whether the worker is running a request right now."""
         return self._current is not None
 
+    # ------------------------------------------------------------ event loop
+
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        self.require_running()
         answer = self.query(inp.request)
         if answer is not None:
             for frame in answer:
                 yield frame
             return
-        job = Job(request=inp.request, out=asyncio.Queue(), loop=self._loop)
+        job = OmniJob(request=inp.request, engine=self)
         self.prepare(inp, job)
         pump = asyncio.create_task(self._pump(inp.upstream, job)) if inp.upstream is not None else None
-        self._inbox.put(job)
         try:
-            while True:
-                frame = await job.out.get()
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
-                yield frame
-                if isinstance(frame, FinalFrame):
-                    return
+            async with contextlib.aclosing(self.stream(job)) as frames:
+                async for frame in frames:
+                    yield frame
         finally:
-            job.cancelled = True
             if pump is not None:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
 
     @staticmethod
-    async def _pump(upstream: AsyncIterator[ResponseFrame], job: Job) -> None:
+    async def _pump(upstream: AsyncIterator[ResponseFrame], job: OmniJob) -> None:
         """Move upstream frames into the worker's thread-safe feed as they arrive."""
         try:
             async for frame in upstream:
@@ -434,49 +409,6 @@ class OmniEngine(Engine, abc.ABC):
             job.feed.put(err)
         finally:
             job.feed.put(_END)
-
-    # ------------------------------------------------------------ worker thread
-
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            with torch.inference_mode():
-                self.load()
-        except BaseException as err:
-            loop.call_soon_threadsafe(set_exception, loaded, err)
-            return
-        loop.call_soon_threadsafe(set_result, loaded)
-        log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
-        while True:
-            job = self._inbox.get()
-            if job is _STOP:
-                self._refuse_queued()
-                return
-            if job.cancelled:
-                continue
-            self._current = job
-            try:
-                with torch.inference_mode():
-                    self.run(job)
-            except CancelledRequestError:
-                pass
-            except StageError as err:
-                job.emit(ErrorFrame.from_error(err))
-            except Exception as err:  # a failed request fails itself, not the engine
-                log.exception("Request %s failed in stage %s", job.request.request_id, self.stage.name)
-                job.emit(ErrorFrame(f"stage {self.stage.name!r} failed: {err}", status=500))
-            finally:
-                self._current = None
-
-    def _refuse_queued(self) -> None:
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(job, Job):
-                job.emit(ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
 
 
 def tensor_frame(kind: str, tensors: Mapping[str, np.ndarray], **meta: Any) -> TensorFrame:

@@ -27,8 +27,8 @@ from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
-    Job,
     OmniEngine,
+    OmniJob,
     RngTurn,
     generation_overrides,
     load_config,
@@ -68,7 +68,7 @@ class OmniTalkerEngine(OmniEngine):
         self._generation: dict[str, Any] = dict(TALKER_DEFAULTS)
         self._eos: list[int] = []
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         self.model = load_part(
@@ -110,12 +110,12 @@ class OmniTalkerEngine(OmniEngine):
         async for _ in self.generate(StageInput(request=request, upstream=upstream())):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
             raise StageError("the talker takes its input from the thinker stage", status=400)
         job.data["seed"] = request_seed(inp.request)
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         frames = job.upstream()
         prompt, first = _head(frames)
         turn = RngTurn(self.device, job.data["seed"])
@@ -184,7 +184,7 @@ class OmniTalkerEngine(OmniEngine):
             turn.end()
         self._finish(job, turn, codes=criterion.count, prompt_len=n + 2, reason=criterion.reason)
 
-    def _finish(self, job: Job, turn: RngTurn, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
+    def _finish(self, job: OmniJob, turn: RngTurn, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
         state = turn.state.to("cpu").numpy()
         job.emit(tensor_frame(RNG_KIND, {"rng_state": state}, device=torch.device(self.device).type))
         job.emit(FinalFrame(reason, Usage(prompt_tokens=prompt_len, completion_tokens=codes)))
@@ -234,7 +234,7 @@ class _ReplyRows:
 class _Codes(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
     """Streams each sampled code to code2wav and ends the request's turn on the global generator."""
 
-    def __init__(self, engine: OmniTalkerEngine, job: Job, turn: RngTurn, *, eos: set[int], limit: int) -> None:
+    def __init__(self, engine: OmniTalkerEngine, job: OmniJob, turn: RngTurn, *, eos: set[int], limit: int) -> None:
         self.engine = engine
         self.job = job
         self.turn = turn

@@ -41,8 +41,8 @@ from transformers import (
 from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
-    Job,
     OmniEngine,
+    OmniJob,
     RngTurn,
     Speakers,
     load_config,
@@ -143,7 +143,7 @@ class OmniThinkerEngine(OmniEngine):
     def max_model_len(self) -> int | None:
         return self._max_model_len or None
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         self.model = load_part(
@@ -220,7 +220,7 @@ class OmniThinkerEngine(OmniEngine):
         async for _ in self.generate(StageInput(request=request)):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
         reply: list[int] | None
         if request.params.speak:
@@ -258,7 +258,7 @@ class OmniThinkerEngine(OmniEngine):
             voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
             job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         prompt_ids: list[int] = job.data["prompt_ids"]
         sampling: ResolvedSampling = job.data["sampling"]
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
@@ -319,7 +319,9 @@ class OmniThinkerEngine(OmniEngine):
 class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
     """Called by ``generate()`` right after each token is drawn: streams it and decides whether to stop."""
 
-    def __init__(self, engine: OmniThinkerEngine, job: Job, sampling: ResolvedSampling, turn: RngTurn | None) -> None:
+    def __init__(
+        self, engine: OmniThinkerEngine, job: OmniJob, sampling: ResolvedSampling, turn: RngTurn | None
+    ) -> None:
         self.engine = engine
         self.job = job
         self.sampling = sampling
@@ -387,7 +389,7 @@ class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped 
 class _RowHook:
     """Forward hook on the thinker's text model: turns each step into talker rows."""
 
-    def __init__(self, engine: OmniThinkerEngine, job: Job, stream: _Stream) -> None:
+    def __init__(self, engine: OmniThinkerEngine, job: OmniJob, stream: _Stream) -> None:
         self.engine = engine
         self.job = job
         self.stream = stream

@@ -13,8 +13,8 @@ the pipeline splits). What travels between stages:
 bfloat16 has no numpy dtype: such tensors cross as their raw 16-bit patterns (int16), with the true
 dtype in ``meta["dtypes"]``, so nothing is rounded on the way.
 
-All model work runs on ONE worker thread fed by a queue; the event loop only validates, enqueues and
-relays frames the worker posts back with ``call_soon_threadsafe``.
+All model work runs on the engine's worker thread (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`);
+the event loop only validates, submits and relays the frames the worker posts back.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -45,10 +44,10 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
-from omnimodel_runtime.engines.threads import set_exception, set_result
+from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
 from omnimodel_runtime.protocol.stage import (
@@ -87,8 +86,6 @@ DEFAULT_MAX_BATCH: Final = 8
 
 LATENTS: Final = "latents"
 
-_STOP: Final = object()
-_WAKE: Final = object()
 
 # Loading builds modules on the meta device through process-global patches (accelerate's
 # ``init_empty_weights``), so two pipelines loading at once on different threads — the stages of
@@ -160,19 +157,16 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
     )
 
 
-@dataclass(eq=False)
-class _Job:
-    """One request inside the worker. ``cancelled`` is the only field the event loop writes after the
-    job is queued (a plain attribute store, atomic under the GIL)."""
+@dataclass(eq=False, kw_only=True)
+class _Job(Job):
+    """One request inside the worker; everything but ``cancelled`` is set before it is submitted or
+    belongs to the worker thread."""
 
-    request: StageRequest
     params: Resolved
-    out: asyncio.Queue[ResponseFrame]
     # Wire tensors from the upstream stage (denoise: embeddings; decode: latents).
     inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
     dtypes: Mapping[str, str] = field(default_factory=dict)
     announced: bool = False
-    cancelled: bool = False
     conditioning: Conditioning | None = None
     ready_at: float = 0.0
 
@@ -203,7 +197,7 @@ class _Announcements:
             return sum(self._counts.values())
 
 
-class DiffusersImageEngine(Engine):
+class DiffusersImageEngine(WorkerEngine[_Job]):
     """``diffusers`` adapter for ``text-to-image`` and its three split tasks."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -216,15 +210,11 @@ class DiffusersImageEngine(Engine):
         self._dtype = torch.bfloat16 if dtype == "auto" else dtype
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
-        self._inbox: queue.Queue[Any] = queue.Queue()
         self._announced = _Announcements()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._pipe: Any = None
         self._family: Family | None = None
         self._defaults: PipelineDefaults | None = None
         self._ready: list[_Job] = []
-        self._outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]] = []
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -241,16 +231,7 @@ class DiffusersImageEngine(Engine):
             raise StageError("the engine is not running", status=503, type="service_unavailable")
         return self._defaults
 
-    # ------------------------------------------------------------------ life cycle (event loop side)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
+    # ------------------------------------------------------------------ event loop side
 
     async def warmup(self) -> None:
         """One smallest-size, two-step request through the role's whole code path (kernels, allocator)."""
@@ -267,16 +248,8 @@ class DiffusersImageEngine(Engine):
         async for _ in self.generate(StageInput(request=request, upstream=upstream)):
             pass
 
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
     def queue_depth(self) -> int:
-        return self._inbox.qsize() + len(self._ready)
+        return super().queue_depth() + len(self._ready)
 
     @property
     def announced(self) -> int:
@@ -284,13 +257,12 @@ class DiffusersImageEngine(Engine):
         return self._announced.total()
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        self.require_running()
         request = inp.request
         params = resolve(request, self.defaults)
         if self.role in (Role.WHOLE, Role.ENCODE) and not (request.prompt or "").strip():
             raise StageError("prompt must not be empty", status=400, param="prompt")
-        job = _Job(request=request, params=params, out=asyncio.Queue())
+        job = _Job(request=request, params=params)
         batched = self.role in (Role.WHOLE, Role.DENOISE)
         if batched:
             self._announced.add(params.key)
@@ -301,41 +273,25 @@ class DiffusersImageEngine(Engine):
                 if inp.upstream is None:
                     raise StageError(f"the {self.role} stage needs an upstream stage", status=500)
                 job.inputs, job.dtypes = await _upstream_tensors(inp.upstream, self.role)
-            self._inbox.put(job)
+            self.submit(job)
             queued = True
-            while True:
-                frame = await job.out.get()
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
-                yield frame
-                if isinstance(frame, FinalFrame):
-                    return
+            async with contextlib.aclosing(self.relay(job)) as frames:
+                async for frame in frames:
+                    yield frame
         finally:
             job.cancelled = True
             if batched and not queued:
                 # Never reached the worker (the client left, the upstream failed): withdraw the
                 # announcement and wake a batch that may be waiting for it.
                 self._announced.remove(params.key)
-                self._inbox.put(_WAKE)
+                self.wake()
 
     # ------------------------------------------------------------------ worker thread
 
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            self._load()
-        except BaseException as err:
-            loop.call_soon_threadsafe(set_exception, loaded, err)
-            return
-        loop.call_soon_threadsafe(set_result, loaded)
-        with torch.inference_mode():
-            try:
-                self._serve()
-            finally:
-                self._flush()
+    def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-    def _load(self) -> None:
+    def load(self) -> None:
         # Progress bars are noise in pod logs.
         diffusers_logging.disable_progress_bar()
         hf_logging.disable_progress_bar()
@@ -367,38 +323,21 @@ class DiffusersImageEngine(Engine):
             return to_wire(self._family.dummy_conditioning(self._pipe).tensors)
         return to_wire({LATENTS: self._family.dummy_latents(self._pipe, side, side)})
 
-    def _emit(self, job: _Job, frame: ResponseFrame) -> None:
-        self._outbox.append((job.out, frame))
-
-    def _fail(self, job: _Job, err: BaseException) -> None:
-        if isinstance(err, StageError):
-            self._emit(job, ErrorFrame.from_error(err))
-        else:
-            log.exception("Request %s failed in stage %s", job.request.request_id, self.stage.name, exc_info=err)
-            self._emit(job, ErrorFrame(f"stage {self.stage.name!r} failed: {err}", status=500))
-
-    def _flush(self) -> None:
-        if not self._outbox or self._loop is None:
-            return
-        outbox, self._outbox = self._outbox, []
-        # The loop may already be closed during shutdown; nobody is listening then.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(_deliver, outbox)
-
-    def _serve(self) -> None:
+    def serve(self) -> None:
         while True:
-            self._flush()
+            self.flush()
+            if self.stopping:
+                for held in self._ready:
+                    self.refuse(held)
+                self._ready.clear()
+                return
             if not self._ready:
-                if self._accept(self._inbox.get()):
-                    return
+                if (job := self.take()) is not None:
+                    self._accept(job)
                 continue
-            while True:  # everything already queued joins the choice of the next batch
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if self._accept(item):
-                    return
+            # Everything already queued joins the choice of the next batch.
+            while (job := self.take(0)) is not None:
+                self._accept(job)
             self._drop_dead()
             if not self._ready:
                 continue
@@ -407,39 +346,19 @@ class DiffusersImageEngine(Engine):
             room = self._max_batch - sum(j.params.n for j in batch)
             remaining = first.ready_at + self._batch_wait - time.monotonic()
             if room > 0 and remaining > 0 and self._announced.pending(first.params.key) > 0:
-                self._flush()
-                try:
-                    item = self._inbox.get(timeout=remaining)
-                except queue.Empty:
-                    continue
-                if self._accept(item):
-                    return
+                self.flush()
+                if (late := self.take(remaining)) is not None:
+                    self._accept(late)
                 continue
             self._run_batch(batch)
 
-    def _accept(self, item: Any) -> bool:
-        """Take one inbox item; True when the engine is stopping."""
-        if item is _STOP:
-            # Everything still waiting, ready or queued behind the stop, is answered, not dropped.
-            waiting = list(self._ready)
-            while True:
-                try:
-                    queued = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(queued, _Job):
-                    waiting.append(queued)
-            for left in waiting:
-                self._emit(left, ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
-            self._ready.clear()
-            return True
-        if item is _WAKE:
-            return False
-        job: _Job = item
+    def _accept(self, job: _Job) -> None:
+        """Take one job from the inbox: encode and decode run at once, denoise (and whole) wait in
+        ``_ready`` for the choice of a batch."""
         if job.announced:
             self._announced.remove(job.params.key)
         if job.cancelled:
-            return False
+            return
         try:
             if self.role is Role.ENCODE:
                 self._encode(job)
@@ -452,18 +371,13 @@ class DiffusersImageEngine(Engine):
                 job.ready_at = time.monotonic()
                 self._ready.append(job)
         except Exception as err:
-            self._fail(job, err)
-        return False
+            self.fail(job, err)
 
     def _drop_dead(self) -> None:
         alive = []
         for job in self._ready:
-            if job.cancelled:
-                continue
-            if _expired(job):
-                self._emit(job, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
-                continue
-            alive.append(job)
+            if not job.cancelled and not self.drop_if_expired(job):
+                alive.append(job)
         self._ready = alive
 
     def _select(self) -> list[_Job]:
@@ -488,8 +402,8 @@ class DiffusersImageEngine(Engine):
     def _encode(self, job: _Job) -> None:
         conditioning = self._encode_conditioning(job)
         tensors, dtypes = to_wire(conditioning.tensors)
-        self._emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
-        self._emit(job, FinalFrame("stop", Usage(prompt_tokens=conditioning.prompt_tokens)))
+        self.emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
+        self.emit(job, FinalFrame("stop", Usage(prompt_tokens=conditioning.prompt_tokens)))
 
     def _conditioning(self, job: _Job) -> Conditioning:
         tensors = from_wire(job.inputs, job.dtypes, self._device)
@@ -509,7 +423,11 @@ class DiffusersImageEngine(Engine):
             latents = self._denoise(batch, params)
         except Exception as err:
             for job in batch:
-                self._fail(job, err)
+                self.fail(job, err)
+            return
+        if self.stopping:  # the denoise loop was cut short: its latents are no image
+            for job in batch:
+                self.refuse(job)
             return
         offset = 0
         for job in batch:
@@ -520,13 +438,13 @@ class DiffusersImageEngine(Engine):
             try:
                 if self.role is Role.DENOISE:
                     tensors, dtypes = to_wire({LATENTS: rows})
-                    self._emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
-                    self._emit(job, FinalFrame("stop"))
+                    self.emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
+                    self.emit(job, FinalFrame("stop"))
                 else:
                     self._emit_images(job, self._family.decode(self._pipe, rows, params.height, params.width))
-                    self._flush()
+                    self.flush()
             except Exception as err:
-                self._fail(job, err)
+                self.fail(job, err)
 
     def _denoise(self, batch: list[_Job], params: Resolved) -> torch.Tensor:
         assert self._family is not None
@@ -538,7 +456,7 @@ class DiffusersImageEngine(Engine):
 
         def step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # Nobody is waiting for any image of this batch any more: skip the remaining steps.
-            if all(j.cancelled or _expired(j) for j in batch):
+            if self.stopping or all(j.cancelled or j.expired for j in batch):
                 pipe._interrupt = True
             return {}
 
@@ -555,8 +473,7 @@ class DiffusersImageEngine(Engine):
             callback_on_step_end=step_end,
         )
         for job in batch:
-            if _expired(job) and not job.cancelled:
-                self._emit(job, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
+            if not job.cancelled and self.drop_if_expired(job):
                 job.cancelled = True
         latents: torch.Tensor = result.images
         return latents
@@ -571,8 +488,8 @@ class DiffusersImageEngine(Engine):
         self._emit_images(job, self._family.decode(self._pipe, latents, job.params.height, job.params.width))
 
     def _emit_images(self, job: _Job, images: np.ndarray) -> None:
-        self._emit(job, TensorFrame(tensors={IMAGES_TENSOR: images}, meta={"modality": "image"}))
-        self._emit(
+        self.emit(job, TensorFrame(tensors={IMAGES_TENSOR: images}, meta={"modality": "image"}))
+        self.emit(
             job, FinalFrame("stop", Usage(prompt_tokens=job.conditioning.prompt_tokens if job.conditioning else 0))
         )
 
@@ -626,13 +543,3 @@ async def _upstream_tensors(
 async def _frames(*frames: ResponseFrame) -> AsyncIterator[ResponseFrame]:
     for frame in frames:
         yield frame
-
-
-def _expired(job: _Job) -> bool:
-    deadline = job.request.deadline
-    return deadline is not None and time.time() >= deadline
-
-
-def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
-    for queue_, frame in outbox:
-        queue_.put_nowait(frame)

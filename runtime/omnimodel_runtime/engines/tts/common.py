@@ -1,35 +1,28 @@
 """What the two TTS stages share, without torch: where each stage's weights are, voices, generation
-bounds, the vocoder's chunk plan, and a queue-fed worker thread.
+bounds and the vocoder's chunk plan.
 
-The streaming pieces are exact by construction: every output value is computed from the same inputs
-with the same elementwise operations whether the input arrives at once or in chunks, so streamed and
-whole-utterance output differ only where a convolution runs over a window instead of the whole
-sequence (float rounding, never a seam: windows carry the model's full receptive field).
+The chunk plan is exact by construction: every window carries the vocoder's full receptive field, so
+streamed and whole-utterance output differ only where a convolution runs over a window instead of the
+whole sequence (float rounding, never a seam).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
-import queue
 import re
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import numpy as np
 
-from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.errors import RuntimeSetupError
 from omnimodel_runtime.layout import SPEECH_CONFIG
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 DEFAULT_VOICE: Final = "default"
 VOICE_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -176,55 +169,3 @@ def hifigan_context_frames(
         reach += block / rate
     reach += (post_kernel - 1) / 2 / rate
     return math.ceil(reach)
-
-
-class Worker:
-    """One thread running blocking jobs in order; results go back to the event loop thread-safely.
-
-    Model calls are not thread-safe and compete for the same cores, so each engine runs all of its
-    torch work on its one worker, never on the event loop.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-        self._thread.start()
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the worker thread; cancelling the caller drops a job that has not started."""
-        if self._thread is None or self._loop is None:
-            raise RuntimeError(f"worker {self.name} is not running")
-        fut: asyncio.Future[T] = self._loop.create_future()
-        self._jobs.put((fn, fut))
-        return await fut
-
-    def pending(self) -> int:
-        return self._jobs.qsize()
-
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._jobs.put(None)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
-    def _main(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            if fut.cancelled():
-                continue
-            try:
-                result = fn()
-            except BaseException as err:
-                post(loop, set_exception, fut, err)
-            else:
-                post(loop, set_result, fut, result)
