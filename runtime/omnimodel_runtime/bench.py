@@ -573,7 +573,8 @@ async def _speech_direct(args: argparse.Namespace) -> AsyncIterator[Any]:
     from omnimodel_runtime.metrics import StageMetricsFamily
     from omnimodel_runtime.serving.orchestrator import Orchestrator
     from omnimodel_runtime.settings import RuntimeSettings
-    from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+    from omnimodel_runtime.stage.handle import StageHandle
+    from omnimodel_runtime.stage.local import LocalStage
 
     pipeline = serve_pipeline(args.preset, args.model, engines=[args.engine], device=_device())
     settings = RuntimeSettings()

@@ -248,8 +248,7 @@ def build_app(
 
     @app.get(MODELS_PATH, dependencies=guarded)
     async def list_models() -> ModelList:
-        entry = handles.get(pipeline.entry.name)
-        max_len = getattr(getattr(entry, "engine", None), "max_model_len", None)
+        max_len = handles[pipeline.entry.name].max_model_len
         return ModelList(data=[ModelCard(id=pipeline.model.name, max_model_len=max_len)])
 
     def respond(result: Any) -> Response:

@@ -15,7 +15,9 @@ from omnimodel_runtime.engines.registry import load_engine
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, PipelineError, get_preset, validation_problems
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, RemoteStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_runtime.stage.remote import RemoteStage
 
 
 def build_gateway_app(settings: RuntimeSettings, pipeline: Pipeline) -> FastAPI:

@@ -39,7 +39,8 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 

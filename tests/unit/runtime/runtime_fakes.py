@@ -23,7 +23,8 @@ from omnimodel_runtime.metrics import StageMetrics, StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, Stage, get_preset
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 
 class FakeEngine(Engine):

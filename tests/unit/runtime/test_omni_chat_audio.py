@@ -26,7 +26,8 @@ from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 USER = [{"role": "user", "content": "Say something."}]
 WORDS = 6

@@ -33,7 +33,9 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, RemoteStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.stage.server import build_stage_app
 
 TOKENS = 4

@@ -30,7 +30,8 @@ from omnimodel_runtime.protocol.stage import (
     Usage,
 )
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import RemoteStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.stage.server import build_stage_app
 
 USER = [{"role": "user", "content": "hello there"}]

@@ -30,7 +30,8 @@ from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 from omnimodel_runtime.serving.images import encode_png
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 MODEL = "text-to-image"
 

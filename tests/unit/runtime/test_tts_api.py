@@ -26,7 +26,8 @@ from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 RATE = 8000
 HOP = 4
