@@ -265,7 +265,7 @@ def _device() -> str:
 @contextlib.contextmanager
 def _deployment(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
     """Start ``omnimodel stage`` + ``omnimodel gateway`` from one pipeline file; yield the gateway URL."""
-    from omnimodel_runtime.gateway import serve_pipeline
+    from omnimodel_runtime.serve import serve_pipeline
 
     stage_port, gateway_port = _free_port(), _free_port()
     base = serve_pipeline(args.preset, args.model, engines=[args.engine], device=_device())
@@ -322,7 +322,7 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], workdir: Path,
 @contextlib.asynccontextmanager
 async def _direct_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
     from omnimodel_runtime.engines.registry import load_engine
-    from omnimodel_runtime.gateway import serve_pipeline
+    from omnimodel_runtime.serve import serve_pipeline
     from omnimodel_runtime.settings import RuntimeSettings
 
     pipeline = serve_pipeline(args.preset, args.model, engines=[args.engine], device=_device())
@@ -569,8 +569,8 @@ async def _speech_direct(args: argparse.Namespace) -> AsyncIterator[Any]:
     from prometheus_client import CollectorRegistry
 
     from omnimodel_runtime.engines.registry import load_engine
-    from omnimodel_runtime.gateway import serve_pipeline
     from omnimodel_runtime.metrics import StageMetricsFamily
+    from omnimodel_runtime.serve import serve_pipeline
     from omnimodel_runtime.serving.orchestrator import Orchestrator
     from omnimodel_runtime.settings import RuntimeSettings
     from omnimodel_runtime.stage.handle import StageHandle
@@ -659,7 +659,7 @@ async def _measure_speech(args: argparse.Namespace, url: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def _speech_deployment(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
     """One ``omnimodel stage`` process per stage and an ``omnimodel gateway``; yield the gateway URL."""
-    from omnimodel_runtime.gateway import serve_pipeline
+    from omnimodel_runtime.serve import serve_pipeline
 
     base = serve_pipeline(args.preset, args.model, engines=[args.engine], device=_device())
     ports = {s.name: _free_port() for s in base.stages}

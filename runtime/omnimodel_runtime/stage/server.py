@@ -19,12 +19,15 @@ from prometheus_client import CollectorRegistry
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.engines.registry import load_engine
 from omnimodel_runtime.errors import RuntimeSetupError, StageError
-from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, StageMetrics, instrumented, render
+from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameError, aiter_frames, encode_frame_bytes
 from omnimodel_runtime.protocol.stage import GENERATE_PATH, ErrorFrame, RequestFrame, ResponseFrame, StageInput
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.web import BodyLimitMiddleware, Startup, StreamResponse
+from omnimodel_runtime.web import probes
+from omnimodel_runtime.web.limits import BodyLimitMiddleware
+from omnimodel_runtime.web.startup import Startup
+from omnimodel_runtime.web.streaming import StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,7 @@ def build_stage_app(
 
     @app.get("/livez")
     async def livez() -> JSONResponse:
-        if startup.failed.is_set():
-            return JSONResponse(startup.describe(), status_code=503)
-        return JSONResponse({"status": "alive"})
+        return probes.livez(startup)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -96,7 +97,7 @@ def build_stage_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(render(registry), media_type=PROMETHEUS_CONTENT_TYPE)
+        return probes.metrics(registry)
 
     @app.get("/v1/stage/info")
     async def info() -> JSONResponse:

@@ -20,7 +20,6 @@ from pydantic import ValidationError
 from omnimodel_runtime.engines.omni.common import PROMPT_KIND, REPLY_KIND
 from omnimodel_runtime.engines.omni.thinker import SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
 from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
@@ -32,6 +31,7 @@ from omnimodel_runtime.protocol.stage import (
     TensorFrame,
     TextFrame,
 )
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

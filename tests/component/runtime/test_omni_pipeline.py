@@ -25,7 +25,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.serving.audio import wav_bytes
 from omnimodel_runtime.settings import RuntimeSettings
 

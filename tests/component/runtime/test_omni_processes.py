@@ -22,7 +22,7 @@ import pytest
 from runtime_procs import RuntimeProcess, free_port, running, runtime_env
 from test_omni_pipeline import MODEL, USER, Whole, stage_requests
 
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

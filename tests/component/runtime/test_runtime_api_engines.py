@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
 from omnimodel_runtime.protocol.stage import SamplingParams, StageInput, StageRequest, TextFrame
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 pytestmark = [

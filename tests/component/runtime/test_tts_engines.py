@@ -24,7 +24,6 @@ from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.engines.tts.common import GenerationBounds
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
@@ -34,6 +33,7 @@ from omnimodel_runtime.protocol.stage import (
     StageRequest,
     TensorFrame,
 )
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.serving.audio import to_pcm16
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.tiny import build_tiny, ensure_tiny

@@ -15,13 +15,13 @@ import openai
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from omnimodel_runtime.api import build_app
 from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetrics, StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, Stage, get_preset
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TextFrame, Usage
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 from runtime_fakes import asgi_client, fake_context, lifespan, omni_pipeline, openai_client, sse_events
 from test_runtime_chain import serve_on_loopback
 
-from omnimodel_runtime.api import build_app
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings

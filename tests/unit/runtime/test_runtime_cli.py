@@ -11,8 +11,8 @@ import pytest
 from omnimodel_runtime.cli import EXIT_CONFIG, build_parser, main
 from omnimodel_runtime.engines.registry import engine_class, supported
 from omnimodel_runtime.errors import ExtraMissingError, RuntimeSetupError
-from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.pipeline import EngineName, PipelineError, Vendor
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 

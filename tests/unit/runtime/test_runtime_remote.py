@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from runtime_fakes import FakeEngine, asgi_client, fake_context, lifespan, omni_pipeline, text_pipeline
 
-from omnimodel_runtime.api import build_app
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, decode_frames, encode_frame_bytes, encode_frames
 from omnimodel_runtime.protocol.stage import (

@@ -21,9 +21,9 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 from runtime_fakes import FakeServe, asgi_client, fake_context, lifespan, openai_client
 
-from omnimodel_runtime.api import build_app
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, get_preset
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams

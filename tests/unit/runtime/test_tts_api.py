@@ -19,12 +19,12 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from runtime_fakes import asgi_client, fake_context, lifespan, openai_client
 
-from omnimodel_runtime.api import build_app
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage
