@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+from runtime_procs import served_over_tcp
 
 from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.serving.audio import wav_bytes
@@ -280,27 +281,53 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
     assert float(np.abs(chunked - single).max()) < CHUNKED_TOLERANCE
 
 
-async def test_a_client_going_away_stops_every_stage(serve: tuple[Any, httpx.AsyncClient]) -> None:
-    from omnimodel_runtime.pipeline import Modality
-    from omnimodel_runtime.protocol.stage import SamplingParams, StageParams, StageRequest, TensorFrame
+async def test_a_client_going_away_stops_every_stage(
+    serve: tuple[Any, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real HTTP client of the gateway (TCP, not ASGI in memory) asks for a long spoken answer, reads
+    its first text delta and hangs up: the worker of every stage ends that request as cancelled, long
+    before the thousands of thinker steps it asked for."""
+    from omnimodel_runtime.engines.worker import CancelledRequestError
 
     app, _ = serve
-    orchestrator = app.state.orchestrator
-    request = StageRequest(
-        request_id="gone",
-        messages=tuple(USER),
+    engines = {name: app.state.orchestrator.handles[name].engine for name in ("thinker", "talker", "code2wav")}
+    cancelled: dict[str, list[str]] = {name: [] for name in engines}
+    for name, engine in engines.items():
+
+        def run(job: Any, *, _run: Any = engine.run, _name: str = name) -> None:
+            try:
+                _run(job)
+            except CancelledRequestError:
+                cancelled[_name].append(job.request.request_id)
+                raise
+
+        monkeypatch.setattr(engine, "run", run)
+
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "modalities": ["text", "audio"],
+        "stream": True,
         # Thousands of thinker steps: far longer than the deadline below, unless the request is aborted.
-        sampling=SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0),
-        params=StageParams(modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=True),
-    )
-    chain = orchestrator.generate_chain(request, [Modality.TEXT, Modality.AUDIO])
-    async for stage, frame in chain:
-        if stage.name == "code2wav" and isinstance(frame, TensorFrame):
-            break  # the first audio: every stage is at work
-    await chain.aclose()
-    engines = [orchestrator.handles[name].engine for name in ("thinker", "talker", "code2wav")]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while any(engine.busy for engine in engines):
-        assert loop.time() < deadline, "a stage kept working for a client that went away"
-        await asyncio.sleep(0.05)
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    async with served_over_tcp(app) as url:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    break  # the thinker is writing; its talker and code2wav have their jobs running
+        # Leaving the stream unread closed its connection: the gateway sees the client disconnect.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not all(cancelled.values()) or any(engine.busy for engine in engines.values()):
+            assert loop.time() < deadline, f"a stage kept working for a client that went away (cancelled: {cancelled})"
+            await asyncio.sleep(0.05)
+    # One request, the same one, everywhere.
+    assert len({tuple(ids) for ids in cancelled.values()}) == 1
+    assert all(len(ids) == 1 for ids in cancelled.values())

@@ -310,6 +310,9 @@ class OmniJob(Job):
                 self.check()
                 continue
             if item is _END:
+                # The feed also ends when the request is abandoned (the pump is cancelled with it): that
+                # is a cancellation here, not an upstream that finished.
+                self.check()
                 return
             if isinstance(item, BaseException):
                 raise item
