@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import secrets
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
-from omnimodel_runtime.bench.common import GatewayClient, concurrently, device, pct, run_sections
+from omnimodel_runtime.bench.common import (
+    GatewayClient,
+    concurrently,
+    device,
+    latency_ratios,
+    pct,
+    run_sections,
+)
 
 PROMPTS: Final = (
     "Hello! Who are you?",
@@ -91,19 +98,12 @@ class ChatClient(GatewayClient):
         started = time.perf_counter()
         ttft: float | None = None
         tokens = 0
-        async with self._client.stream("POST", "/v1/chat/completions", json=self._body(prompt, True)) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"]["message"])
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices", []):
-                    if ttft is None and choice.get("delta", {}).get("content"):
-                        ttft = time.perf_counter() - started
+        async for chunk in self.sse_chunks("/v1/chat/completions", self._body(prompt, True)):
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+            for choice in chunk.get("choices", []):
+                if ttft is None and choice.get("delta", {}).get("content"):
+                    ttft = time.perf_counter() - started
         return Sample(time.perf_counter() - started, ttft, tokens)
 
 
@@ -146,16 +146,7 @@ async def _overhead(direct: Direct, through_gateway: Any, stream: bool, rounds: 
             d_lat.append(d.latency)
             g_lat.append(g.latency)
             ratios.append(g.latency / d.latency)
-    return {
-        "streamed": stream,
-        "pairs": len(ratios),
-        "direct_latency_p50_s": round(pct(d_lat, 50), 4),
-        "gateway_latency_p50_s": round(pct(g_lat, 50), 4),
-        "ratio_of_medians": round(pct(g_lat, 50) / pct(d_lat, 50), 4),
-        "ratio_p50": round(pct(ratios, 50), 4),
-        "ratio_p99": round(pct(ratios, 99), 4),
-        "added_latency_p50_ms": round((pct(g_lat, 50) - pct(d_lat, 50)) * 1000, 2),
-    }
+    return {"streamed": stream, "pairs": len(ratios), **latency_ratios(d_lat, g_lat, ratios)}
 
 
 @contextlib.asynccontextmanager
@@ -194,31 +185,24 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 result["overhead"] = await _overhead(direct, gw.once, False, args.rounds)
                 result["overhead_streamed"] = await _overhead(direct, gw.streamed, True, args.rounds)
 
-            async def gateway_throughput() -> None:
-                samples, wall = await concurrently(gw.streamed, prompts, args.concurrency)
-                result["gateway_concurrent"] = {"concurrency": args.concurrency, **summary(samples, wall)}
-                samples, wall = await concurrently(gw.streamed, seq_prompts, 1)
-                result["gateway_sequential"] = {"concurrency": 1, **summary(samples, wall)}
-                result["gateway_batching_factor"] = round(
-                    result["gateway_concurrent"]["tokens_per_s"] / result["gateway_sequential"]["tokens_per_s"], 3
-                )
-
-            async def direct_throughput() -> None:
-                assert direct is not None
-                samples, wall = await concurrently(direct.run, prompts, args.concurrency)
-                result["direct_concurrent"] = {"concurrency": args.concurrency, **summary(samples, wall)}
-                samples, wall = await concurrently(direct.run, seq_prompts, 1)
-                result["direct_sequential"] = {"concurrency": 1, **summary(samples, wall)}
-                result["direct_batching_factor"] = round(
-                    result["direct_concurrent"]["tokens_per_s"] / result["direct_sequential"]["tokens_per_s"], 3
+            async def throughput(name: str, fn: Callable[[str], Awaitable[Sample]]) -> None:
+                samples, wall = await concurrently(fn, prompts, args.concurrency)
+                result[f"{name}_concurrent"] = {"concurrency": args.concurrency, **summary(samples, wall)}
+                samples, wall = await concurrently(fn, seq_prompts, 1)
+                result[f"{name}_sequential"] = {"concurrency": 1, **summary(samples, wall)}
+                result[f"{name}_batching_factor"] = round(
+                    result[f"{name}_concurrent"]["tokens_per_s"] / result[f"{name}_sequential"]["tokens_per_s"], 3
                 )
 
             # 1. overhead: sequential, interleaved, same prompts, non-streamed and streamed requests;
             # 2. throughput through the gateway at concurrency N (streamed, for TTFT) and at 1;
             # 3. the engine alone at N and at 1 (its batching factor).
             # A failing section is recorded and the others still run: one run's numbers are costly.
-            sections = [("gateway_throughput", gateway_throughput)]
+            sections: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+                ("gateway_throughput", partial(throughput, "gateway", gw.streamed))
+            ]
             if direct is not None:
+                direct_throughput = partial(throughput, "direct", direct.run)
                 sections = [("overhead", overhead), *sections, ("direct_throughput", direct_throughput)]
             await run_sections(sections, result)
     finally:

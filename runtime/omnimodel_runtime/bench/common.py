@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -86,8 +87,32 @@ class GatewayClient:
         model: str = resp.json()["data"][0]["id"]
         return model
 
+    async def sse_chunks(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The JSON chunks of a streamed response (``[DONE]`` left out); an error chunk is raised."""
+        async with self._client.stream("POST", path, json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk: dict[str, Any] = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                yield chunk
+
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def latency_ratios(direct: list[float], gateway: list[float], ratios: list[float]) -> dict[str, Any]:
+    """Gateway against direct latencies of the same requests, measured in alternation."""
+    return {
+        "direct_latency_p50_s": round(pct(direct, 50), 4),
+        "gateway_latency_p50_s": round(pct(gateway, 50), 4),
+        "ratio_of_medians": round(pct(gateway, 50) / pct(direct, 50), 4),
+        "ratio_p50": round(pct(ratios, 50), 4),
+        "ratio_p99": round(pct(ratios, 99), 4),
+        "added_latency_p50_ms": round((pct(gateway, 50) - pct(direct, 50)) * 1000, 2),
+    }
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
-from omnimodel_runtime.bench.common import GatewayClient, concurrently, device, pct
+from omnimodel_runtime.bench.common import GatewayClient, concurrently, device, latency_ratios, pct
 
 IMAGE_PROMPTS: Final = (
     "a red fox in the snow",
@@ -199,12 +199,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                     diffs.append(_pixel_diff(g_pixels, d.image))
             result["overhead"] = {
                 "pairs": len(ratios),
-                "direct_latency_p50_s": round(pct(d_lat, 50), 4),
-                "gateway_latency_p50_s": round(pct(g_lat, 50), 4),
-                "ratio_of_medians": round(pct(g_lat, 50) / pct(d_lat, 50), 4),
-                "ratio_p50": round(pct(ratios, 50), 4),
-                "ratio_p99": round(pct(ratios, 99), 4),
-                "added_latency_p50_ms": round((pct(g_lat, 50) - pct(d_lat, 50)) * 1000, 2),
+                **latency_ratios(d_lat, g_lat, ratios),
                 "pixels_equal_to_diffusers": sum(d["max"] == 0 for d in diffs),
                 "max_pixel_diff_to_diffusers": max(d["max"] for d in diffs),
                 # Part of the gateway's added latency that the direct call does not do: one PNG.

@@ -8,7 +8,6 @@ first audio, real-time factor."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -65,24 +64,17 @@ class OmniClient(GatewayClient):
         started = time.perf_counter()
         ttft = ttfa = text_done = None
         pcm_bytes = 0
-        async with self._client.stream("POST", "/v1/chat/completions", json=self._body(prompt, True)) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"]["message"])
-                now = time.perf_counter() - started
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta", {})
-                    if delta.get("content"):
-                        ttft = now if ttft is None else ttft
-                        text_done = now
-                    data = (delta.get("audio") or {}).get("data")
-                    if data:
-                        ttfa = now if ttfa is None else ttfa
-                        pcm_bytes += len(base64.b64decode(data))
+        async for chunk in self.sse_chunks("/v1/chat/completions", self._body(prompt, True)):
+            now = time.perf_counter() - started
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content"):
+                    ttft = now if ttft is None else ttft
+                    text_done = now
+                data = (delta.get("audio") or {}).get("data")
+                if data:
+                    ttfa = now if ttfa is None else ttfa
+                    pcm_bytes += len(base64.b64decode(data))
         return OmniSample(time.perf_counter() - started, ttft, ttfa, text_done, pcm_bytes / 2 / 24000)
 
     async def whole(self, prompt: str) -> OmniSample:

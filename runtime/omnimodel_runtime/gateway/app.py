@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -55,16 +54,12 @@ def build_app(
     async def start() -> None:
         await asyncio.gather(*(h.start() for h in handles.values()))
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        startup.begin(start)
-        try:
-            yield
-        finally:
-            await startup.cancel()
-            await asyncio.gather(*(h.stop() for h in handles.values()), return_exceptions=True)
+    async def stop() -> None:
+        await asyncio.gather(*(h.stop() for h in handles.values()), return_exceptions=True)
 
-    app = FastAPI(title=f"OmniModel {pipeline.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title=f"OmniModel {pipeline.name}", lifespan=startup.lifespan(start, stop), docs_url=None, redoc_url=None
+    )
     app.state.startup = startup
     app.state.orchestrator = orchestrator
     app.state.api = APIState.create(

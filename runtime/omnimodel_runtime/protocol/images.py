@@ -134,17 +134,7 @@ class ImageGenerationRequest(_ImageFields):
     _size = field_validator("size")(_check_size)
 
     def params(self) -> TextToImageParams:
-        width, height = _dimensions(self.size)
-        return TextToImageParams(
-            n=self.n,
-            width=width,
-            height=height,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            negative_prompt=self.negative_prompt,
-            seed=self.seed,
-        )
+        return _stage_params(self, *_dimensions(self.size))
 
 
 class ImageObject(OpenAIBaseModel):
@@ -198,6 +188,25 @@ class ImageChatCompletionRequest(_ImageFields):
         if self.width is not None:
             return self.width, self.height
         return _dimensions(self.size)
+
+    def params(self) -> TextToImageParams:
+        return _stage_params(self, *self.dimensions())
+
+
+def _stage_params(
+    req: ImageGenerationRequest | ImageChatCompletionRequest, width: int | None, height: int | None
+) -> TextToImageParams:
+    """What the stages get of either request."""
+    return TextToImageParams(
+        n=req.n,
+        width=width,
+        height=height,
+        num_inference_steps=req.num_inference_steps,
+        guidance_scale=req.guidance_scale,
+        true_cfg_scale=req.true_cfg_scale,
+        negative_prompt=req.negative_prompt,
+        seed=req.seed,
+    )
 
 
 class ImageURL(OpenAIBaseModel):

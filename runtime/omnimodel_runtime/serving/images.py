@@ -151,19 +151,8 @@ class ImageService(Service):
         prompt = prompt_from_messages(req.messages)
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")
-        width, height = req.dimensions()
-        params = TextToImageParams(
-            n=req.n,
-            width=width,
-            height=height,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            true_cfg_scale=req.true_cfg_scale,
-            negative_prompt=req.negative_prompt,
-            seed=req.seed,
-        )
         request_id = secrets.token_hex(16)
-        generated = await self.generate(self.stage_request(prompt, params, request_id), req.n)
+        generated = await self.generate(self.stage_request(prompt, req.params(), request_id), req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         parts = [
             ImageContentPart(image_url=ImageURL(url="data:image/png;base64," + base64.b64encode(png).decode("ascii")))

@@ -257,22 +257,11 @@ class RemoteStage(StageHandle):
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
         except TimeoutError as err:
-            raise StageError(
-                f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
-                status=504,
-                type="timeout",
-            ) from err
+            raise self._silent(endpoint) from err
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
-            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
-            raise StageError(
-                f"lost the connection to stage {self.name!r} at {endpoint.url} mid-request ({type(err).__name__})",
-                status=502,
-                type="bad_gateway",
-            ) from err
+            raise self._lost(endpoint, err) from err
         except FrameError as err:
-            raise StageError(
-                f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502
-            ) from err
+            raise self._malformed(endpoint, err) from err
 
     async def _frames(self, endpoint: Endpoint, chunks: AsyncIterator[bytes]) -> AsyncGenerator[ResponseFrame, None]:
         """The frames of a stage's 200 response, up to its final one; an error frame is raised."""
@@ -307,26 +296,35 @@ class RemoteStage(StageHandle):
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             raise _RetryableError(f"cannot connect ({type(err).__name__})") from err
         except httpx.ReadTimeout as err:
-            raise StageError(
-                f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
-                status=504,
-                type="timeout",
-            ) from err
+            raise self._silent(endpoint) from err
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
             if not responded:
                 # Typically a pooled keep-alive connection the stage had closed (e.g. a restart): the
                 # request never ran, so another attempt is safe. A dead stage then refuses the connect.
                 raise _RetryableError(f"{type(err).__name__}: {_STALE}") from err
-            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
-            raise StageError(
-                f"lost the connection to stage {self.name!r} at {endpoint.url} mid-request ({type(err).__name__})",
-                status=502,
-                type="bad_gateway",
-            ) from err
+            raise self._lost(endpoint, err) from err
         except FrameError as err:
-            raise StageError(
-                f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502
-            ) from err
+            raise self._malformed(endpoint, err) from err
+
+    # What went wrong mid-response, the same whichever client (httpx or aiohttp) saw it.
+
+    def _silent(self, endpoint: Endpoint) -> StageError:
+        return StageError(
+            f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
+            status=504,
+            type="timeout",
+        )
+
+    def _lost(self, endpoint: Endpoint, err: Exception) -> StageError:
+        self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+        return StageError(
+            f"lost the connection to stage {self.name!r} at {endpoint.url} mid-request ({type(err).__name__})",
+            status=502,
+            type="bad_gateway",
+        )
+
+    def _malformed(self, endpoint: Endpoint, err: FrameError) -> StageError:
+        return StageError(f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502)
 
     async def _http_error(self, resp: httpx.Response) -> StageError:
         raw = await resp.aread()

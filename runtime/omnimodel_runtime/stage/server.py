@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -70,19 +69,14 @@ def build_stage_app(
         await eng.warmup()
         log.info("Stage %s is ready (%s engine)", stage.name, stage.engine.value)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        startup.begin(start)
-        try:
-            yield
-        finally:
-            # uvicorn has drained in-flight requests by now (graceful shutdown); release the engine.
-            await startup.cancel()
-            started = holder.get("started")
-            if started is not None:
-                await started.stop()
+    async def stop() -> None:
+        started = holder.get("started")
+        if started is not None:
+            await started.stop()
 
-    app = FastAPI(title=f"OmniModel stage {stage.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title=f"OmniModel stage {stage.name}", lifespan=startup.lifespan(start, stop), docs_url=None, redoc_url=None
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.stage_max_body_bytes)
     app.state.startup = startup
 

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from omnimodel_runtime.errors import RuntimeSetupError
@@ -72,3 +73,21 @@ class Startup:
         if self.error:
             out["error"] = self.error
         return out
+
+    def lifespan(
+        self, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
+    ) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+        """An app's lifespan around this start-up: ``start`` runs in the background once the server is
+        up (it answers ``/livez`` meanwhile); at shutdown, after the server has drained in-flight
+        requests, an unfinished start is cancelled and ``stop`` releases what was started."""
+
+        @asynccontextmanager
+        async def lifespan(_: Any) -> AsyncIterator[None]:
+            self.begin(start)
+            try:
+                yield
+            finally:
+                await self.cancel()
+                await stop()
+
+        return lifespan

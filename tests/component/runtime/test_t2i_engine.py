@@ -24,7 +24,8 @@ from pydantic import ValidationError
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine, from_wire, to_wire
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset

@@ -41,8 +41,6 @@ from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
     RNG_KIND,
     SAMPLE_RATE,
-    OmniEngine,
-    OmniJob,
     Speakers,
     generation_overrides,
     load_config,
@@ -52,6 +50,7 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
     voice_param,
 )
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, StageInput, StageParams, StageRequest, TensorFrame, Usage
 

@@ -27,8 +27,6 @@ from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
-    OmniEngine,
-    OmniJob,
     RngTurn,
     generation_overrides,
     load_config,
@@ -37,6 +35,7 @@ from omnimodel_runtime.engines.omni.common import (
     rows_from_wire,
     tensor_frame,
 )
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,

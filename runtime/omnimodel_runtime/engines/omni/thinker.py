@@ -41,8 +41,6 @@ from transformers import (
 from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
-    OmniEngine,
-    OmniJob,
     RngTurn,
     Speakers,
     load_config,
@@ -52,6 +50,7 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
     voice_param,
 )
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,

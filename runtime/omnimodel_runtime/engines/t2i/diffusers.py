@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -47,11 +45,12 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.t2i.requests import ROLES, Announcements, Resolved, Role, resolve
+from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire, upstream_tensors
 from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
     FinalFrame,
     ResponseFrame,
     StageInput,
@@ -62,21 +61,6 @@ from omnimodel_runtime.protocol.stage import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Role(enum.StrEnum):
-    WHOLE = "whole"
-    ENCODE = "encode"
-    DENOISE = "denoise"
-    DECODE = "decode"
-
-
-ROLES: Final[Mapping[str, Role]] = {
-    "text-to-image": Role.WHOLE,
-    "t2i-encode": Role.ENCODE,
-    "t2i-denoise": Role.DENOISE,
-    "t2i-decode": Role.DECODE,
-}
 
 # A diffusion request takes seconds; waiting a fraction of that for announced requests to join a batch
 # costs little, and only happens when some are actually on their way.
@@ -93,70 +77,6 @@ LATENTS: Final = "latents"
 _LOAD_LOCK: Final = threading.Lock()
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A request's parameters with every default filled in and checked against the model."""
-
-    n: int
-    width: int
-    height: int
-    steps: int
-    cfg: bool
-    true_cfg_scale: float
-    guidance_scale: float | None
-    negative_prompt: str | None
-    seed: int | None
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one denoise call."""
-        return (
-            self.width,
-            self.height,
-            self.steps,
-            self.cfg,
-            self.true_cfg_scale if self.cfg else None,
-            self.guidance_scale,
-        )
-
-    def seeds(self) -> list[int]:
-        base = self.seed if self.seed is not None else secrets.randbits(62)
-        return [base + i for i in range(self.n)]
-
-
-def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
-    """Fill ``request.params.image`` from the model's defaults and check it against the model (its size
-    rule); a bad value is a 400 naming the field. The parameters' own bounds were checked when the
-    request was built (or decoded from the wire)."""
-    params = request.params.image
-    width = params.width if params.width is not None else defaults.width
-    height = params.height if params.height is not None else defaults.height
-    if width % defaults.multiple or height % defaults.multiple:
-        raise StageError(
-            f"size must be a multiple of {defaults.multiple} pixels in each dimension for this model "
-            f"(got {width}x{height})",
-            status=400,
-            param="size",
-        )
-    true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else defaults.true_cfg_scale
-    # The pipeline's own rule: real classifier-free guidance needs a negative prompt and a scale above 1.
-    cfg = params.negative_prompt is not None and true_cfg > 1
-    guidance = None
-    if defaults.guidance_distilled:
-        guidance = params.guidance_scale if params.guidance_scale is not None else defaults.guidance_scale
-    return Resolved(
-        n=params.n,
-        width=width,
-        height=height,
-        steps=params.num_inference_steps or defaults.steps,
-        cfg=cfg,
-        true_cfg_scale=true_cfg,
-        guidance_scale=guidance,
-        negative_prompt=params.negative_prompt if cfg else None,
-        seed=params.seed,
-    )
-
-
 @dataclass(eq=False, kw_only=True)
 class _Job(Job):
     """One request inside the worker; everything but ``cancelled`` is set before it is submitted or
@@ -169,32 +89,6 @@ class _Job(Job):
     announced: bool = False
     conditioning: Conditioning | None = None
     ready_at: float = 0.0
-
-
-class _Announcements:
-    """Requests announced to the batcher and not yet accepted by the worker, per batch key."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[tuple[Any, ...]] = Counter()
-
-    def add(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._counts[key] += 1
-
-    def remove(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._counts[key] -= 1
-            if self._counts[key] <= 0:
-                del self._counts[key]
-
-    def pending(self, key: tuple[Any, ...]) -> int:
-        with self._lock:
-            return self._counts.get(key, 0)
-
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
 
 
 class DiffusersImageEngine(WorkerEngine[_Job]):
@@ -210,7 +104,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self._dtype = torch.bfloat16 if dtype == "auto" else dtype
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
-        self._announced = _Announcements()
+        self._announced = Announcements()
         self._pipe: Any = None
         self._family: Family | None = None
         self._defaults: PipelineDefaults | None = None
@@ -272,7 +166,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             if self.role in (Role.DENOISE, Role.DECODE):
                 if inp.upstream is None:
                     raise StageError(f"the {self.role} stage needs an upstream stage", status=500)
-                job.inputs, job.dtypes = await _upstream_tensors(inp.upstream, self.role)
+                job.inputs, job.dtypes = await upstream_tensors(inp.upstream, self.role)
             self.submit(job)
             queued = True
             async with contextlib.aclosing(self.relay(job)) as frames:
@@ -492,52 +386,6 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self.emit(
             job, FinalFrame("stop", Usage(prompt_tokens=job.conditioning.prompt_tokens if job.conditioning else 0))
         )
-
-
-# ---------------------------------------------------------------------- tensors on the wire
-
-
-def to_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """CPU numpy arrays for a ``TensorFrame``; bfloat16 as its raw bits (the dtype goes in ``meta``)."""
-    arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for name, tensor in tensors.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-            dtypes[name] = "bfloat16"
-        arrays[name] = t.numpy()
-    return arrays, dtypes
-
-
-def from_wire(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str], device: str) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_wire`, on ``device``. Copies: decoded frames are read-only views."""
-    out: dict[str, torch.Tensor] = {}
-    for name, array in arrays.items():
-        t = torch.from_numpy(np.array(array, copy=True))
-        if dtypes.get(name) == "bfloat16":
-            t = t.view(torch.bfloat16)
-        out[name] = t.to(device)
-    return out
-
-
-async def _upstream_tensors(
-    upstream: AsyncIterator[ResponseFrame], role: Role
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The tensors of the upstream stage's frames, once it has finished (its ``FinalFrame``)."""
-    tensors: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    async for frame in upstream:
-        if isinstance(frame, TensorFrame):
-            tensors.update(frame.tensors)
-            dtypes.update(frame.meta.get("dtypes") or {})
-        elif isinstance(frame, ErrorFrame):
-            raise frame.to_error()
-        elif isinstance(frame, FinalFrame):
-            break
-    if not tensors:
-        raise StageError(f"the {role} stage received no tensors from its upstream stage", status=502)
-    return tensors, dtypes
 
 
 async def _frames(*frames: ResponseFrame) -> AsyncIterator[ResponseFrame]:
