@@ -17,8 +17,15 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
-from runtime_fakes import asgi_client, fake_context, lifespan, omni_pipeline, openai_client, sse_events
-from test_runtime_chain import serve_on_loopback
+from runtime_fakes import (
+    asgi_client,
+    fake_context,
+    lifespan,
+    omni_pipeline,
+    openai_client,
+    serve_on_loopback,
+    sse_events,
+)
 
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError

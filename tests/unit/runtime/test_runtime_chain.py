@@ -7,16 +7,13 @@ servers over the frame protocol (RemoteStage with streamed request bodies), all 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from runtime_fakes import fake_context, omni_pipeline
+from runtime_fakes import fake_context, omni_pipeline, serve_on_loopback
 
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
@@ -109,27 +106,6 @@ async def local_handles(pipeline: Pipeline, stack: AsyncExitStack) -> tuple[dict
         stack.push_async_callback(handle.stop)
         handles[stage.name] = handle
     return handles, made
-
-
-async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
-    """A real uvicorn server on 127.0.0.1 in this event loop: httpx's ASGI transport buffers whole
-    responses, which would hide (or deadlock) exactly the streaming this file is about."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-
-    async def shutdown() -> None:
-        server.should_exit = True
-        await task
-
-    stack.push_async_callback(shutdown)
-    while not server.started:
-        assert not task.done(), "stage server failed to start"
-        await asyncio.sleep(0.01)
-    await app.state.startup.wait()
-    return f"http://127.0.0.1:{port}"
 
 
 async def remote_handles(pipeline: Pipeline, stack: AsyncExitStack) -> tuple[dict[str, StageHandle], dict[str, Engine]]:

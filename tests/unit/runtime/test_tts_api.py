@@ -3,9 +3,7 @@ acoustic and vocoder engines behind the ``tts`` preset (the real engines are in 
 
 from __future__ import annotations
 
-import asyncio
 import io
-import socket
 import wave
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -14,10 +12,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from runtime_fakes import asgi_client, fake_context, lifespan, openai_client
+from runtime_fakes import asgi_client, fake_context, lifespan, openai_client, serve_on_loopback
 
 from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
@@ -222,27 +219,6 @@ async def test_wrong_model_is_a_404(tts: tuple[httpx.AsyncClient, FakeAcoustic])
     client = openai_client(tts[0])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         await client.audio.speech.create(model="tts-1", voice="default", input="hi")
-
-
-async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
-    """A real uvicorn server on 127.0.0.1 in this event loop (httpx's ASGI transport buffers whole
-    responses, so it can show neither chunks arriving nor a stream cut short)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-
-    async def shutdown() -> None:
-        server.should_exit = True
-        await task
-
-    stack.push_async_callback(shutdown)
-    while not server.started:
-        assert not task.done(), "server failed to start"
-        await asyncio.sleep(0.01)
-    await app.state.startup.wait()
-    return f"http://127.0.0.1:{port}"
 
 
 async def test_a_failure_after_the_first_bytes_cuts_the_stream_short() -> None:
