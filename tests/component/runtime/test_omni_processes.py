@@ -109,7 +109,8 @@ def test_streamed_audio_arrives_before_the_text_ends(deployment: dict[str, Runti
         "messages": USER,
         "modalities": ["text", "audio"],
         "stream": True,
-        "max_tokens": 400,
+        # The first audio comes after a few hundred thinker tokens; with 400 the thinker could finish first.
+        "max_tokens": 2000,
         "ignore_eos": True,
         "temperature": 0,
     }
