@@ -120,7 +120,7 @@ def run_app(app: FastAPI, settings: RuntimeSettings) -> int:
 
     import uvicorn
 
-    from omnimodel_runtime.web import Startup
+    from omnimodel_runtime.web.startup import Startup
 
     config = uvicorn.Config(
         app,
@@ -209,7 +209,7 @@ def _parse_kv(items: Sequence[str], what: str) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
+    from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 
     settings = _settings(args)
     _setup_logging(settings.log_level)

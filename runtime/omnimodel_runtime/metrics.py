@@ -10,13 +10,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["PROMETHEUS_CONTENT_TYPE", "GatewayMetrics", "StageMetrics", "StageMetricsFamily", "render"]
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame
+
+__all__ = [
+    "PROMETHEUS_CONTENT_TYPE",
+    "GatewayMetrics",
+    "StageMetrics",
+    "StageMetricsFamily",
+    "instrumented",
+    "render",
+]
 
 _LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _BATCH_BUCKETS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -141,6 +151,29 @@ class StageMetrics:
 
     def first_frame(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+
+async def instrumented(frames: AsyncIterator[ResponseFrame], metrics: StageMetrics) -> AsyncIterator[ResponseFrame]:
+    """Record in-flight count, time to first frame, latency and outcome around an engine stream."""
+    started = time.perf_counter()
+    metrics.request_started()
+    outcome, prompt_tokens, first = "cancelled", 0, True
+    try:
+        async for frame in frames:
+            if first:
+                metrics.first_frame(time.perf_counter() - started)
+                first = False
+            if isinstance(frame, FinalFrame):
+                outcome, prompt_tokens = "ok", frame.usage.prompt_tokens
+            yield frame
+    except StageError as err:
+        outcome = "rejected" if err.status < 500 else "error"
+        raise
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        metrics.request_finished(outcome=outcome, duration=time.perf_counter() - started, prompt_tokens=prompt_tokens)
 
 
 class GatewayMetrics:

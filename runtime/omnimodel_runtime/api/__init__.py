@@ -1,5 +1,3 @@
-"""The OpenAI-compatible HTTP API: thin routes over :mod:`omnimodel_runtime.serving`."""
-
-from omnimodel_runtime.api.app import build_app
-
-__all__ = ["build_app"]
+"""The OpenAI-compatible HTTP API: one ``APIRouter`` per endpoint, thin routes over
+:mod:`omnimodel_runtime.serving`. The gateway (:mod:`omnimodel_runtime.gateway.app`) mounts the routers of
+what its pipeline serves."""

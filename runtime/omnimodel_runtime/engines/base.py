@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from omnimodel_runtime.pipeline import Stage
-from omnimodel_runtime.protocol.stage import ResponseFrame, StageRequest
+from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput
 from omnimodel_runtime.settings import RuntimeSettings
-
-
-@dataclass(frozen=True)
-class StageInput:
-    """One request as an engine sees it: the header, tensors sent with it, and, for a downstream
-    stage, the frames of its upstream stage as they arrive (``None`` when it has no upstream)."""
-
-    request: StageRequest
-    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
-    upstream: AsyncIterator[ResponseFrame] | None = None
 
 
 class EngineMetrics(Protocol):

@@ -28,28 +28,28 @@ class AdapterRef:
 
 ADAPTERS: Final[Mapping[tuple[EngineName, str], AdapterRef]] = {
     (EngineName.TRANSFORMERS, "text-generation"): AdapterRef(
-        "omnimodel_runtime.engines.transformers_text", "TransformersTextEngine", "transformers"
+        "omnimodel_runtime.engines.text.transformers", "TransformersTextEngine", "transformers"
     ),
-    (EngineName.VLLM, "text-generation"): AdapterRef("omnimodel_runtime.engines.vllm_text", "VllmTextEngine", "vllm"),
+    (EngineName.VLLM, "text-generation"): AdapterRef("omnimodel_runtime.engines.text.vllm", "VllmTextEngine", "vllm"),
     (EngineName.TRANSFORMERS, "tts-acoustic"): AdapterRef(
-        "omnimodel_runtime.engines.speech_acoustic", "SpeechT5AcousticEngine", "tts"
+        "omnimodel_runtime.engines.tts.acoustic", "SpeechT5AcousticEngine", "tts"
     ),
     (EngineName.TRANSFORMERS, "tts-vocoder"): AdapterRef(
-        "omnimodel_runtime.engines.speech_vocoder", "HifiGanVocoderEngine", "tts"
+        "omnimodel_runtime.engines.tts.vocoder", "HifiGanVocoderEngine", "tts"
     ),
     (EngineName.TRANSFORMERS, "omni-thinker"): AdapterRef(
-        "omnimodel_runtime.engines.omni_thinker", "OmniThinkerEngine", "transformers"
+        "omnimodel_runtime.engines.omni.thinker", "OmniThinkerEngine", "transformers"
     ),
     (EngineName.TRANSFORMERS, "omni-talker"): AdapterRef(
-        "omnimodel_runtime.engines.omni_talker", "OmniTalkerEngine", "transformers"
+        "omnimodel_runtime.engines.omni.talker", "OmniTalkerEngine", "transformers"
     ),
     (EngineName.TRANSFORMERS, "omni-code2wav"): AdapterRef(
-        "omnimodel_runtime.engines.omni_code2wav", "OmniCode2WavEngine", "transformers"
+        "omnimodel_runtime.engines.omni.code2wav", "OmniCode2WavEngine", "transformers"
     ),
     # One adapter, four roles: the whole pipeline in one stage, or one stage of encode -> denoise -> decode.
     **{
         (EngineName.DIFFUSERS, task): AdapterRef(
-            "omnimodel_runtime.engines.diffusers_t2i", "DiffusersImageEngine", "diffusers"
+            "omnimodel_runtime.engines.t2i.diffusers", "DiffusersImageEngine", "diffusers"
         )
         for task in ("text-to-image", "t2i-encode", "t2i-denoise", "t2i-decode")
     },

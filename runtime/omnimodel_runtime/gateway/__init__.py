@@ -1,6 +1,6 @@
-"""Assembling gateway processes: the OpenAI app over remote stages (``omnimodel gateway``) or over
-in-process stages (``omnimodel serve``)."""
+"""The ``omnimodel gateway`` process: the OpenAI API over the stages of a pipeline. Torch-free
+(import-linter keeps it off engines and inference libraries)."""
 
-from omnimodel_runtime.gateway.assemble import build_gateway_app, build_serve_app, serve_pipeline
+from omnimodel_runtime.gateway.app import build_app, build_gateway_app
 
-__all__ = ["build_gateway_app", "build_serve_app", "serve_pipeline"]
+__all__ = ["build_app", "build_gateway_app"]

@@ -22,7 +22,7 @@ from omnimodel_runtime.pipeline.graph import (
     parse_pipeline,
     validation_problems,
 )
-from omnimodel_runtime.pipeline.presets import PRESETS, get_preset, preset_names
+from omnimodel_runtime.pipeline.presets import PRESETS, get_preset
 
 __all__ = [
     "ENGINE_TASKS",
@@ -42,6 +42,5 @@ __all__ = [
     "get_preset",
     "load_pipeline",
     "parse_pipeline",
-    "preset_names",
     "validation_problems",
 ]

@@ -206,10 +206,6 @@ PRESETS: Final[Mapping[str, Preset]] = {
 }
 
 
-def preset_names() -> tuple[str, ...]:
-    return tuple(PRESETS)
-
-
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]

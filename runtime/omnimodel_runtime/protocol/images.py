@@ -6,16 +6,17 @@ completions on an image pipeline answer with the images as ``image_url`` data-UR
 ``message.content`` (vLLM-Omni's behaviour). Every field the runtime acts on is validated here, so a bad
 value is a 400 naming the field before any stage sees the request.
 
-:class:`TextToImageParams` is what travels in ``StageRequest.params`` to the encode, denoise and decode
-stages (or the one whole-pipeline stage); stages validate it again, since a stage server may be called
-by something other than our gateway. Torch-free: the gateway imports this module.
+:class:`TextToImageParams` is what travels in ``StageRequest.params.image`` to the encode, denoise and
+decode stages (or the one whole-pipeline stage); a stage server validates it again when it decodes a
+request, since it may be called by something other than our gateway. Torch-free: the gateway imports
+this module.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Final, Literal, Self
+from typing import Annotated, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -133,17 +134,7 @@ class ImageGenerationRequest(_ImageFields):
     _size = field_validator("size")(_check_size)
 
     def params(self) -> TextToImageParams:
-        width, height = _dimensions(self.size)
-        return TextToImageParams(
-            n=self.n,
-            width=width,
-            height=height,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            negative_prompt=self.negative_prompt,
-            seed=self.seed,
-        )
+        return _stage_params(self, *_dimensions(self.size))
 
 
 class ImageObject(OpenAIBaseModel):
@@ -198,6 +189,25 @@ class ImageChatCompletionRequest(_ImageFields):
             return self.width, self.height
         return _dimensions(self.size)
 
+    def params(self) -> TextToImageParams:
+        return _stage_params(self, *self.dimensions())
+
+
+def _stage_params(
+    req: ImageGenerationRequest | ImageChatCompletionRequest, width: int | None, height: int | None
+) -> TextToImageParams:
+    """What the stages get of either request."""
+    return TextToImageParams(
+        n=req.n,
+        width=width,
+        height=height,
+        num_inference_steps=req.num_inference_steps,
+        guidance_scale=req.guidance_scale,
+        true_cfg_scale=req.true_cfg_scale,
+        negative_prompt=req.negative_prompt,
+        seed=req.seed,
+    )
+
 
 class ImageURL(OpenAIBaseModel):
     url: str
@@ -227,8 +237,3 @@ class ImageChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ImageChatChoice]
     usage: UsageInfo
-
-
-def params_from_mapping(data: Any) -> TextToImageParams:
-    """Validate ``StageRequest.params`` (raises pydantic's ``ValidationError``)."""
-    return TextToImageParams.model_validate(dict(data or {}))

@@ -16,10 +16,9 @@ from omnimodel_runtime.protocol.openai import OpenAIBaseModel
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
-# Stage-request parameter (``params[SPEAK_PARAM] = True``): speak ``prompt`` verbatim. Sent to an entry
-# stage that writes text of its own (a chat model such as the Qwen2.5-Omni thinker), which would
-# otherwise answer the text instead of saying it; a TTS acoustic model only ever speaks its input.
-SPEAK_PARAM: Final = "speak"
+# The speeds every speech stage can produce (its time-stretch of the mel frames); stages check them again.
+MIN_SPEED: Final = 0.25
+MAX_SPEED: Final = 4.0
 
 SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 
@@ -39,7 +38,7 @@ class SpeechRequest(OpenAIBaseModel):
     instructions: str | None = None
     # None: wav for a whole response (vLLM-Omni's default; OpenAI's is mp3), pcm for a stream.
     response_format: SpeechFormat | None = None
-    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    speed: Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED)] = 1.0
     # Stream raw 16-bit little-endian mono PCM as it is synthesised (sample rate in X-Sample-Rate).
     stream: bool = False
     # OpenAI's switch: "audio" streams raw audio bytes like ``stream``; "sse" is not served.

@@ -4,19 +4,26 @@ A request is a :class:`StageRequest` header plus optional named tensors; a respo
 frames: :class:`TextFrame` (a text delta with its token ids), :class:`TensorFrame` (named arrays),
 then exactly one :class:`FinalFrame` or :class:`ErrorFrame`. Tensors are numpy arrays here; torch
 lives only inside engines. In ``serve`` mode these objects pass between stages in memory; across
-processes :mod:`omnimodel_runtime.protocol.frames` encodes them.
+processes :mod:`omnimodel_runtime.protocol.frames` encodes them, sent to :data:`GENERATE_PATH`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality
+from omnimodel_runtime.protocol.images import TextToImageParams
+
+# Where a stage server takes requests (``POST``, frames in, frames out).
+GENERATE_PATH: Final = "/v1/stage/generate"
+# ``StageParams.query`` asking the entry stage of a speech pipeline for its voices instead of speech.
+QUERY_VOICES: Final = "voices"
 
 
 class _Model(BaseModel):
@@ -32,6 +39,33 @@ class SamplingParams(_Model):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+class StageParams(_Model):
+    """What a request asks of a stage beyond its input and sampling. Each field says which tasks read it;
+    the defaults mean "not asked" (the stage's own default). Values whose limits depend on the model (a
+    voice, a speed, an image size) are checked by the stage that reads them, with a 400 naming the field.
+    """
+
+    # Any entry stage of a speech pipeline: a question about the engine (its voices) instead of work.
+    query: Literal["voices"] | None = None
+    # omni-thinker: the output modalities the client asked for; with audio in them the thinker also
+    # streams the rows its talker needs.
+    modalities: tuple[Modality, ...] = ()
+    # Speech (tts-acoustic, the omni stages): the voice; None is the model's default voice.
+    voice: str | None = None
+    # Speech: how much faster than normal to speak (2.0 = twice as fast), pitch unchanged.
+    speed: float = 1.0
+    # omni-thinker on ``/v1/audio/speech``: say ``prompt`` verbatim instead of answering it.
+    speak: bool = False
+    # omni-code2wav: chunked (streaming) synthesis; None follows ``StageRequest.stream``.
+    audio_chunked: bool | None = None
+    # omni-thinker: token ids to teacher-force as the reply (after the prompt) instead of sampling one.
+    reply_ids: tuple[int, ...] | None = None
+    # omni-talker (warm-up, benchmarks): a lower cap on this request's codes.
+    talker_max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Text to image (text-to-image, t2i-encode, t2i-denoise, t2i-decode): size, steps, guidance, seed.
+    image: TextToImageParams = TextToImageParams()
 
 
 class StageRequest(_Model):
@@ -51,7 +85,7 @@ class StageRequest(_Model):
     # an event-loop wake-up and an HTTP chunk per token (vLLM's FINAL_ONLY output kind).
     stream: bool = True
     # Task-specific parameters for presets beyond text (voice, image size, steps, ...).
-    params: Mapping[str, Any] = Field(default_factory=dict)
+    params: StageParams = StageParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +146,19 @@ class ErrorFrame:
 
 # Frames a stage sends back.
 ResponseFrame = TextFrame | TensorFrame | FinalFrame | ErrorFrame
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One request as a stage sees it: the header, tensors sent with it, and, for a downstream stage, the
+    frames of its upstream stage as they arrive (``None`` when it has no upstream). In process these pass
+    as they are; across processes the stage server rebuilds them from frames."""
+
+    request: StageRequest
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+    upstream: AsyncIterator[ResponseFrame] | None = None
+
+
 # Anything that travels in a frame stream (a request body starts with a RequestFrame and may continue
 # with response frames of an upstream stage).
 Frame = RequestFrame | ResponseFrame

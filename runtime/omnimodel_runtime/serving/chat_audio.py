@@ -19,11 +19,10 @@ Voice: OpenAI's ``audio.voice`` or vLLM-Omni's ``speaker``; the stages map it on
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -43,10 +42,12 @@ from omnimodel_runtime.protocol.openai import (
     ChatMessage,
     UsageInfo,
 )
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, TextFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageParams, TensorFrame, TextFrame
 from omnimodel_runtime.serving.audio import to_pcm16, wav_bytes
-from omnimodel_runtime.serving.errors import APIError, error_body
-from omnimodel_runtime.serving.text import DONE, ChatService, sse
+from omnimodel_runtime.serving.base import aclose
+from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.sse import event_stream, sse
+from omnimodel_runtime.serving.text import ChatService
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +117,9 @@ class ChatAudioService:
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         request_id = secrets.token_hex(16)
         base = self.chat.stage_request(req, request_id)
-        params = {"modalities": ["text", "audio"], "audio_chunked": req.stream}
-        voice = self.voice(req)
-        if voice is not None:
-            params["voice"] = voice
+        params = StageParams(
+            modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=req.stream, voice=self.voice(req)
+        )
         stage_request = base.model_copy(update={"params": params})
         # The transcript is the thinker's text, so text is produced even when only audio is asked for.
         chain = self.chat.orchestrator.generate_chain(stage_request, [Modality.TEXT, Modality.AUDIO])
@@ -132,7 +132,7 @@ class ChatAudioService:
                 async for stage, frame in chain:
                     answer.take(stage, frame)
             finally:
-                await chain.aclose()  # type: ignore[attr-defined]
+                await aclose(chain)
             waveform = np.concatenate(answer.audio) if answer.audio else np.zeros(0, dtype=np.float32)
             data = wav_bytes(waveform, answer.sample_rate) if audio_format == "wav" else to_pcm16(waveform)
             text = "".join(answer.text)
@@ -191,35 +191,25 @@ class ChatAudioService:
                 )
             )
 
-        async def body() -> AsyncIterator[bytes]:
+        async def events() -> AsyncGenerator[bytes, None]:
             answer = _Answer()
-            try:
-                yield chunk("text", AudioDeltaMessage(role="assistant", content=""))
-                item: tuple[Stage, ResponseFrame] | None = head.pop(0)
-                while item is not None:
-                    piece = answer.take(*item)
-                    if isinstance(piece, str) and piece:
-                        yield chunk("text", AudioDeltaMessage(content=piece))
-                    elif isinstance(piece, np.ndarray):
-                        data = base64.b64encode(to_pcm16(piece)).decode()
-                        yield chunk("audio", AudioDeltaMessage(audio=AudioDelta(id=audio_id, data=data)))
-                    item = head.pop(0) if head else await anext(chain, None)
-                text = "".join(answer.text)
-                yield chunk(
-                    "audio",
-                    AudioDeltaMessage(audio=AudioDelta(id=audio_id, expires_at=created + AUDIO_TTL_S, transcript=text)),
-                )
-                yield chunk("text", AudioDeltaMessage(), answer.finish_reason)
-                if include_usage:
-                    yield chunk("text", AudioDeltaMessage(), usage=answer.usage)
-            except StageError as err:
-                yield sse(error_body(err))
-            except Exception as err:
-                log.exception("Streaming an audio response failed")
-                yield sse(error_body(StageError(f"internal error: {err}", status=500)))
-            finally:
-                with contextlib.suppress(Exception):
-                    await chain.aclose()  # type: ignore[attr-defined]
-            yield DONE
+            yield chunk("text", AudioDeltaMessage(role="assistant", content=""))
+            item: tuple[Stage, ResponseFrame] | None = head.pop(0)
+            while item is not None:
+                piece = answer.take(*item)
+                if isinstance(piece, str) and piece:
+                    yield chunk("text", AudioDeltaMessage(content=piece))
+                elif isinstance(piece, np.ndarray):
+                    data = base64.b64encode(to_pcm16(piece)).decode()
+                    yield chunk("audio", AudioDeltaMessage(audio=AudioDelta(id=audio_id, data=data)))
+                item = head.pop(0) if head else await anext(chain, None)
+            text = "".join(answer.text)
+            yield chunk(
+                "audio",
+                AudioDeltaMessage(audio=AudioDelta(id=audio_id, expires_at=created + AUDIO_TTL_S, transcript=text)),
+            )
+            yield chunk("text", AudioDeltaMessage(), answer.finish_reason)
+            if include_usage:
+                yield chunk("text", AudioDeltaMessage(), usage=answer.usage)
 
-        return body()
+        return event_stream(events(), chain)

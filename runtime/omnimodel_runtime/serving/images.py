@@ -1,6 +1,6 @@
 """Images out of a pipeline: ``/v1/images/generations`` and chat completions on an image pipeline.
 
-OpenAI request → one stage request (the prompt, and the diffusion parameters in ``params``) → the chain
+OpenAI request → one stage request (the prompt, and the diffusion parameters in ``params.image``) → the chain
 of stages the image needs → ``(n, H, W, 3)`` uint8 pixels from the exit stage → PNG → base64 in the
 response (``data[i].b64_json``, or an ``image_url`` data URL in ``message.content`` for chat, as
 vLLM-Omni answers). PNG encoding runs on a worker thread (zlib releases the GIL): at 1024² it takes tens
@@ -13,7 +13,6 @@ import asyncio
 import base64
 import secrets
 import struct
-import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,9 +36,9 @@ from omnimodel_runtime.protocol.images import (
     TextToImageParams,
 )
 from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
-from omnimodel_runtime.protocol.stage import FinalFrame, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
+from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
-from omnimodel_runtime.serving.orchestrator import Orchestrator
 
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 _PNG_COLOR_TYPES: Final = {1: 0, 3: 2, 4: 6}  # grey, RGB, RGBA
@@ -98,30 +97,16 @@ class Generated:
     prompt_tokens: int
 
 
-class ImageService:
+class ImageService(Service):
     """``/v1/images/generations`` and image chat over the stage chain that outputs images."""
-
-    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float) -> None:
-        self.orchestrator = orchestrator
-        self.model_name = orchestrator.pipeline.model.name
-        self.request_timeout = request_timeout
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
 
     def stage_request(self, prompt: str, params: TextToImageParams, request_id: str) -> StageRequest:
         return StageRequest(
             request_id=request_id,
             prompt=prompt,
-            deadline=time.time() + self.request_timeout,
+            deadline=self.deadline(),
             stream=False,
-            params=params.model_dump(exclude_none=True),
+            params=StageParams(image=params),
         )
 
     async def generate(self, request: StageRequest, n: int) -> Generated:
@@ -137,16 +122,14 @@ class ImageService:
                     prompt_tokens += frame.usage.prompt_tokens
         finally:
             # Closing the chain early (an error, a client gone) cancels every stage still working.
-            aclose = getattr(frames, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await aclose(frames)
         if len(images) != n:
             raise StageError(f"the pipeline returned {len(images)} images for n={n}", status=502)
         return Generated(images=images, prompt_tokens=prompt_tokens)
 
     async def create(self, req: ImageGenerationRequest) -> ImagesResponse:
         """``POST /v1/images/generations``: PNGs as base64."""
-        self._check_model(req.model)
+        self.check_model(req.model)
         request = self.stage_request(req.prompt, req.params(), secrets.token_hex(16))
         generated = await self.generate(request, req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
@@ -158,7 +141,7 @@ class ImageService:
 
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
         """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""
-        self._check_model(req.model)
+        self.check_model(req.model)
         if req.stream:
             raise APIError("streaming is not supported when the answer is an image; send stream=false", param="stream")
         if req.modalities is not None and "image" not in req.modalities:
@@ -168,19 +151,8 @@ class ImageService:
         prompt = prompt_from_messages(req.messages)
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")
-        width, height = req.dimensions()
-        params = TextToImageParams(
-            n=req.n,
-            width=width,
-            height=height,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            true_cfg_scale=req.true_cfg_scale,
-            negative_prompt=req.negative_prompt,
-            seed=req.seed,
-        )
         request_id = secrets.token_hex(16)
-        generated = await self.generate(self.stage_request(prompt, params, request_id), req.n)
+        generated = await self.generate(self.stage_request(prompt, req.params(), request_id), req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         parts = [
             ImageContentPart(image_url=ImageURL(url="data:image/png;base64," + base64.b64encode(png).decode("ascii")))

@@ -8,9 +8,8 @@ import itertools
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
-from omnimodel_runtime.engines.base import StageInput
 from omnimodel_runtime.pipeline import Modality, Pipeline, Stage
-from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, ResponseFrame, StageRequest
+from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, ResponseFrame, StageInput, StageRequest
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.stage.handle import StageHandle
 

@@ -2,7 +2,7 @@
 
 The request runs the pipeline's audio chain (acoustic -> vocoder on the ``tts`` preset, thinker -> talker
 -> code2wav on ``qwen2.5-omni``) as one streaming chain: the vocoder starts on the first mel chunk. A
-chat model at the entry is told to speak the input verbatim (``SPEAK_PARAM``), not to answer it. A
+chat model at the entry is told to speak the input verbatim (``StageParams.speak``), not to answer it. A
 stream waits for the first audio before the HTTP response starts, so a request that fails early (unknown
 voice, input too long, a stage down) still gets a proper status and error envelope, and the sample rate
 is known for the ``X-Sample-Rate`` header. A failure after the first bytes cannot become an error body in
@@ -15,22 +15,28 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.speech_common import QUERY_VOICES
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Stage
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM, SpeechRequest, VoiceList
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.protocol.stage import (
+    QUERY_VOICES,
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+)
 from omnimodel_runtime.serving.audio import MEDIA_TYPES, encode_audio, to_pcm16, unsupported_reason
+from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
-from omnimodel_runtime.serving.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +53,6 @@ class SpeechAudio:
     stream: AsyncIterator[bytes] | None = None
 
 
-async def _aclose(frames: AsyncIterator[object]) -> None:
-    """Close a frame stream now (cancelling the stages behind it) rather than at garbage collection."""
-    aclose = getattr(frames, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
 def _audio(frame: ResponseFrame) -> np.ndarray | None:
     if isinstance(frame, TensorFrame) and "audio" in frame.tensors:
         return np.asarray(frame.tensors["audio"], dtype=np.float32).reshape(-1)
@@ -68,13 +67,8 @@ def _sample_rate(frame: ResponseFrame) -> int:
     return rate
 
 
-class SpeechService:
+class SpeechService(Service):
     """``/v1/audio/speech`` and ``/v1/audio/voices``."""
-
-    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float) -> None:
-        self.orchestrator = orchestrator
-        self.model_name = orchestrator.pipeline.model.name
-        self.request_timeout = request_timeout
 
     @property
     def entry(self) -> Stage:
@@ -83,13 +77,7 @@ class SpeechService:
 
     def stage_request(self, req: SpeechRequest, request_id: str) -> tuple[StageRequest, str]:
         """Validate ``req``; return the stage request and the response format."""
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(
-                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+        self.check_model(req.model)
         if not req.input.strip():
             raise APIError("input must contain text to speak", param="input")
         if req.instructions:
@@ -112,15 +100,13 @@ class SpeechService:
         reason = unsupported_reason(fmt)
         if reason is not None:
             raise APIError(reason, param="response_format")
-        params: dict[str, object] = {"voice": req.voice_name, "speed": req.speed}
-        if Modality.TEXT in self.entry.outputs:
-            # A chat model (the Qwen2.5-Omni thinker) would answer the input: tell it to say it.
-            params[SPEAK_PARAM] = True
+        # A chat model at the entry (the Qwen2.5-Omni thinker) would answer the input: tell it to say it.
+        params = StageParams(voice=req.voice_name, speed=req.speed, speak=Modality.TEXT in self.entry.outputs)
         request = StageRequest(
             request_id=request_id,
             prompt=req.input,
             sampling=SamplingParams(seed=req.seed),
-            deadline=time.time() + self.request_timeout,
+            deadline=self.deadline(),
             stream=req.streamed,
             params=params,
         )
@@ -134,7 +120,7 @@ class SpeechService:
             try:
                 waveform, rate = await self._collect(chain)
             finally:
-                await _aclose(chain)
+                await aclose(chain)
             try:
                 # Encoding minutes of mp3 takes a while: not on the event loop.
                 encoded = await asyncio.to_thread(encode_audio, waveform, rate, fmt)
@@ -145,7 +131,7 @@ class SpeechService:
         try:
             first, rate = await self._first_audio(chain)
         except BaseException:
-            await _aclose(chain)
+            await aclose(chain)
             raise
 
         async def body() -> AsyncIterator[bytes]:
@@ -157,7 +143,7 @@ class SpeechService:
                         yield to_pcm16(audio)
             finally:
                 with contextlib.suppress(Exception):
-                    await _aclose(chain)
+                    await aclose(chain)
 
         headers = {SAMPLE_RATE_HEADER: str(rate), "x-audio-channels": "1", "x-audio-encoding": "s16le"}
         return SpeechAudio(media_type=MEDIA_TYPES["pcm"], headers=headers, stream=body())
@@ -183,7 +169,7 @@ class SpeechService:
 
     async def voices(self) -> VoiceList:
         """Ask the entry stage which voices its model ships."""
-        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params={"query": QUERY_VOICES})
+        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params=StageParams(query=QUERY_VOICES))
         frames = self.orchestrator.handles[self.entry.name].generate(StageInput(request=request))
         try:
             async for frame in frames:
@@ -193,5 +179,5 @@ class SpeechService:
                 if isinstance(frame, FinalFrame):
                     break
         finally:
-            await _aclose(frames)
+            await aclose(frames)
         raise APIError(f"stage {self.entry.name!r} does not list voices", status=501, type="not_implemented")

@@ -7,12 +7,9 @@ stream has started, a failure becomes an error chunk followed by ``data: [DONE]`
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,18 +35,9 @@ from omnimodel_runtime.protocol.openai import (
     stop_list,
 )
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TextFrame
-from omnimodel_runtime.serving.errors import APIError, error_body
-from omnimodel_runtime.serving.orchestrator import Orchestrator
-
-log = logging.getLogger(__name__)
-
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(data: BaseModel | dict[str, Any]) -> bytes:
-    """One server-sent event carrying ``data`` as JSON."""
-    payload = data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {payload}\n\n".encode()
+from omnimodel_runtime.serving.base import Service, aclose
+from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.sse import event_stream, sse
 
 
 @dataclass(frozen=True)
@@ -85,32 +73,15 @@ async def collect(frames: AsyncIterator[ResponseFrame]) -> Collected:
             elif isinstance(frame, FinalFrame):
                 return Collected("".join(parts), frame.finish_reason, _usage(frame))
     finally:
-        await _aclose(frames)
+        await aclose(frames)
     raise StageError("the stage ended the response without finishing it", status=502)
 
 
-async def _aclose(frames: AsyncIterator[ResponseFrame]) -> None:
-    aclose = getattr(frames, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-class TextService:
+class TextService(Service):
     """What chat and completions share: validation, stage requests, collecting and streaming."""
 
-    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float) -> None:
-        self.orchestrator = orchestrator
-        self.model_name = orchestrator.pipeline.model.name
-        self.request_timeout = request_timeout
-
     def check_common(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(
-                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+        self.check_model(req.model)
         if req.n != 1:
             raise APIError("only n=1 is supported", param="n")
 
@@ -123,9 +94,6 @@ class TextService:
             stop=stop_list(req.stop),
             ignore_eos=req.ignore_eos,
         )
-
-    def deadline(self) -> float:
-        return time.time() + self.request_timeout
 
     async def stream(
         self,
@@ -141,32 +109,22 @@ class TextService:
         raises here (and becomes an HTTP error) instead of inside a 200 stream."""
         first = await _first(frames, "the stage")
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                for chunk in head:
-                    yield chunk
-                frame: ResponseFrame = first
-                while True:
-                    if isinstance(frame, TextFrame):
-                        if frame.text:
-                            yield sse(delta(frame.text))
-                    elif isinstance(frame, FinalFrame):
-                        yield sse(final(frame.finish_reason))
-                        if usage is not None:
-                            yield sse(usage(_usage(frame)))
-                        break
-                    frame = await _first(frames, "the stage")
-            except StageError as err:
-                yield sse(error_body(err))
-            except Exception as err:
-                log.exception("Streaming a response failed")
-                yield sse(error_body(StageError(f"internal error: {err}", status=500)))
-            finally:
-                with contextlib.suppress(Exception):
-                    await _aclose(frames)
-            yield DONE
+        async def events() -> AsyncGenerator[bytes, None]:
+            for chunk in head:
+                yield chunk
+            frame: ResponseFrame = first
+            while True:
+                if isinstance(frame, TextFrame):
+                    if frame.text:
+                        yield sse(delta(frame.text))
+                elif isinstance(frame, FinalFrame):
+                    yield sse(final(frame.finish_reason))
+                    if usage is not None:
+                        yield sse(usage(_usage(frame)))
+                    return
+                frame = await _first(frames, "the stage")
 
-        return body()
+        return event_stream(events(), frames)
 
 
 def _message_dict(message: ChatMessageParam) -> dict[str, Any]:

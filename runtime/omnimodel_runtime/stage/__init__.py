@@ -1,1 +1,2 @@
-"""Stage side of the runtime: the stage server and the handles the gateway uses to reach stages."""
+"""Stages as the gateway reaches them (``handle``: the interface; ``local``: in process; ``remote``: over the
+frame protocol) and the stage server that puts one engine behind that protocol (``server``)."""

@@ -10,22 +10,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.engines.registry import load_engine
 from omnimodel_runtime.errors import RuntimeSetupError, StageError
-from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, StageMetrics, render
+from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameError, aiter_frames, encode_frame_bytes
-from omnimodel_runtime.protocol.stage import ErrorFrame, RequestFrame, ResponseFrame
+from omnimodel_runtime.protocol.stage import GENERATE_PATH, ErrorFrame, RequestFrame, ResponseFrame, StageInput
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import GENERATE_PATH, instrumented
-from omnimodel_runtime.web import BodyLimitMiddleware, Startup, StreamResponse
+from omnimodel_runtime.web import probes
+from omnimodel_runtime.web.limits import BodyLimitMiddleware
+from omnimodel_runtime.web.startup import Startup
+from omnimodel_runtime.web.streaming import StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +69,20 @@ def build_stage_app(
         await eng.warmup()
         log.info("Stage %s is ready (%s engine)", stage.name, stage.engine.value)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        startup.begin(start)
-        try:
-            yield
-        finally:
-            # uvicorn has drained in-flight requests by now (graceful shutdown); release the engine.
-            await startup.cancel()
-            started = holder.get("started")
-            if started is not None:
-                await started.stop()
+    async def stop() -> None:
+        started = holder.get("started")
+        if started is not None:
+            await started.stop()
 
-    app = FastAPI(title=f"OmniModel stage {stage.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title=f"OmniModel stage {stage.name}", lifespan=startup.lifespan(start, stop), docs_url=None, redoc_url=None
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.stage_max_body_bytes)
     app.state.startup = startup
-    app.state.metrics_registry = registry
 
     @app.get("/livez")
     async def livez() -> JSONResponse:
-        if startup.failed.is_set():
-            return JSONResponse(startup.describe(), status_code=503)
-        return JSONResponse({"status": "alive"})
+        return probes.livez(startup)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -98,7 +91,7 @@ def build_stage_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(render(registry), media_type=PROMETHEUS_CONTENT_TYPE)
+        return probes.metrics(registry)
 
     @app.get("/v1/stage/info")
     async def info() -> JSONResponse:

@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.omni_common import GENERATION_FILE, SPEAKER_FILE
+from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
 from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, _silence_unprintable, build_tokenizer
 
 # Placeholder and TTS control tokens the architecture refers to by id (all thinker-vocabulary ids), and
@@ -232,8 +232,8 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     _make_audible(model, speakers[VOICES[0]], seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    torch.save(speakers, out / SPEAKER_FILE)
-    (out / GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
+    torch.save(speakers, out / OMNI_SPEAKER_FILE)
+    (out / OMNI_GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
     (out / "README.md").write_text(
         "Random-weight Qwen2_5OmniForConditionalGeneration (tiny) built by "
         f"`omnimodel make-tiny --preset qwen2.5-omni` (seed {seed}); voices {', '.join(VOICES)}. "

@@ -7,7 +7,7 @@ Layout of a ``tts`` model directory (the same for real weights, see docs/pipelin
     voices/     <name>.npy, one float32 speaker embedding per voice (``default`` is always served)
     speech.json generation bounds for the acoustic stage (threshold, minlenratio, maxlenratio)
 
-What makes a random model usable in tests (PIPELINE-NOTES, two-stage TTS):
+What makes a random model usable in tests (docs/pipeline-notes.md, two-stage TTS):
 
 - The tokenizer is a sentencepiece *character* model trained here on generated text, with SpeechT5's
   special-token ids (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3), wrapped by ``SpeechT5Tokenizer``.
@@ -38,7 +38,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.speech_common import ACOUSTIC_DIR, SPEECH_CONFIG, VOCODER_DIR, VOICES_DIR
+from omnimodel_runtime.layout import ACOUSTIC_DIR, SPEECH_CONFIG, VOCODER_DIR, VOICES_DIR
 
 SPM_FILE: Final = "spm_char.model"
 

@@ -1,22 +1,26 @@
-"""Helpers for runtime component tests: runtime processes on loopback ports, polled with deadlines.
+"""Helpers for runtime component tests: runtime processes on loopback ports, polled with deadlines, and an
+app served over real TCP in the test's own event loop.
 
 A plain module (not conftest) so test files can import it by its unique name.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import uvicorn
+from fastapi import FastAPI
 
 T = TypeVar("T")
 
@@ -143,3 +147,21 @@ def runtime_env(model_cache: Path, **extra: Any) -> dict[str, str]:
     env.update({"OMNIMODEL_MODEL_CACHE": str(model_cache), "OMNIMODEL_LOG_LEVEL": "info"})
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+@asynccontextmanager
+async def served_over_tcp(app: FastAPI) -> AsyncIterator[str]:
+    """``app`` (its lifespan already running) behind a real uvicorn server on a loopback port, in this event
+    loop; yields its URL. httpx's ASGI transport buffers whole responses and never disconnects, which
+    would hide what a real client does to a stream."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not task.done(), "the server failed to start"
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

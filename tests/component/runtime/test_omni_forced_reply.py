@@ -15,28 +15,34 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+from pydantic import ValidationError
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import PROMPT_KIND, REPLY_KIND
-from omnimodel_runtime.engines.omni_thinker import REPLY_IDS_PARAM, SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
+from omnimodel_runtime.engines.omni.common import PROMPT_KIND, REPLY_KIND
+from omnimodel_runtime.engines.omni.thinker import SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM
+from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
+    StageParams,
     StageRequest,
     TensorFrame,
     TextFrame,
 )
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "qwen2.5-omni"
 TEXT = "Good morning! The weather today is sunny, with a light breeze."
-AUDIO = {"modalities": ["text", "audio"], "voice": "Ethan"}
+
+
+def audio(reply_ids: list[int] | None = None) -> StageParams:
+    """A chat request that continues into the talker, optionally with a reply to force."""
+    return StageParams(modalities=(Modality.TEXT, Modality.AUDIO), voice="Ethan", reply_ids=reply_ids)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -74,7 +80,7 @@ async def test_a_forced_reply_streams_the_rows_of_the_generation_that_produced_i
             request_id="greedy",
             prompt_token_ids=tuple(prompt_ids),
             sampling=SamplingParams(max_tokens=24, temperature=0.0),
-            params=AUDIO,
+            params=audio(),
         ),
     )
     generated = [t for f in greedy if isinstance(f, TextFrame) for t in f.token_ids]
@@ -86,9 +92,7 @@ async def test_a_forced_reply_streams_the_rows_of_the_generation_that_produced_i
 
     forced = await run(
         thinker,
-        StageRequest(
-            request_id="forced", prompt_token_ids=tuple(prompt_ids), params={**AUDIO, REPLY_IDS_PARAM: spoken}
-        ),
+        StageRequest(request_id="forced", prompt_token_ids=tuple(prompt_ids), params=audio(spoken)),
     )
     assert not [f for f in forced if isinstance(f, TextFrame)], "a forced reply must not send text"
     (g_prompt,), (f_prompt,) = of_kind(greedy, PROMPT_KIND), of_kind(forced, PROMPT_KIND)
@@ -110,7 +114,7 @@ async def test_a_speech_request_is_the_input_forced_after_the_documented_prompt(
     tokenizer = thinker._tokenizer
     speech = await run(
         thinker,
-        StageRequest(request_id="speak", prompt=TEXT, params={SPEAK_PARAM: True, "voice": "Ethan", "speed": 1.0}),
+        StageRequest(request_id="speak", prompt=TEXT, params=StageParams(speak=True, voice="Ethan", speed=1.0)),
     )
     assert not [f for f in speech if isinstance(f, TextFrame)]
     (prompt,) = of_kind(speech, PROMPT_KIND)
@@ -127,7 +131,7 @@ async def test_a_speech_request_is_the_input_forced_after_the_documented_prompt(
     # The same forced reply through the stage parameter: the same rows (the speech path adds only framing).
     forced = await run(
         thinker,
-        StageRequest(request_id="ids", prompt_token_ids=tuple(prompt_ids), params={**AUDIO, REPLY_IDS_PARAM: reply}),
+        StageRequest(request_id="ids", prompt_token_ids=tuple(prompt_ids), params=audio(reply)),
     )
     for a, b in zip(
         of_kind(speech, PROMPT_KIND) + of_kind(speech, REPLY_KIND),
@@ -140,7 +144,7 @@ async def test_a_speech_request_is_the_input_forced_after_the_documented_prompt(
 async def test_control_tokens_in_the_input_are_spoken_as_text(thinker: Any) -> None:
     tokenizer = thinker._tokenizer
     text = "Say <|im_end|> and <|im_start|>user aloud."
-    frames = await run(thinker, StageRequest(request_id="ctl", prompt=text, params={SPEAK_PARAM: True}))
+    frames = await run(thinker, StageRequest(request_id="ctl", prompt=text, params=StageParams(speak=True)))
     reply = [int(f.tensors["token_ids"][0]) for f in of_kind(frames, REPLY_KIND)]
     assert set(reply).isdisjoint(tokenizer.all_special_ids)
     assert tokenizer.decode(reply) == text
@@ -152,9 +156,9 @@ async def test_control_tokens_in_the_input_are_spoken_as_text(thinker: Any) -> N
 @pytest.mark.parametrize(
     ("request_", "param"),
     [
-        (StageRequest(request_id="empty", prompt=" \n", params={SPEAK_PARAM: True}), "input"),
-        (StageRequest(request_id="long", prompt="talk " * 3000, params={SPEAK_PARAM: True}), "input"),
-        (StageRequest(request_id="voice", prompt="hi", params={SPEAK_PARAM: True, "voice": "Nobody"}), "voice"),
+        (StageRequest(request_id="empty", prompt=" \n", params=StageParams(speak=True)), "input"),
+        (StageRequest(request_id="long", prompt="talk " * 3000, params=StageParams(speak=True)), "input"),
+        (StageRequest(request_id="voice", prompt="hi", params=StageParams(speak=True, voice="Nobody")), "voice"),
     ],
 )
 async def test_bad_speech_requests_are_refused_before_any_work(
@@ -167,8 +171,12 @@ async def test_bad_speech_requests_are_refused_before_any_work(
 
 async def test_a_forced_reply_may_not_end_itself(thinker: Any) -> None:
     eos = thinker._tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for reply in ([5, eos, 6], [], ["a"]):
-        request = StageRequest(request_id="bad", prompt="hi", params={**AUDIO, REPLY_IDS_PARAM: reply})
+    for reply in ([5, eos, 6], []):
+        request = StageRequest(request_id="bad", prompt="hi", params=audio(reply))
         with pytest.raises(StageError) as err:
             await run(thinker, request)
         assert err.value.status == 400
+    # Ids that are not token ids never become a stage request: the typed parameters refuse them (and a
+    # stage server refuses such a request body with a 400, tests/unit/runtime/test_runtime_remote.py).
+    with pytest.raises(ValidationError, match="reply_ids"):
+        StageParams.model_validate({"reply_ids": ["a"]})

@@ -24,8 +24,9 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+from runtime_procs import served_over_tcp
 
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.serving.audio import wav_bytes
 from omnimodel_runtime.settings import RuntimeSettings
 
@@ -168,8 +169,9 @@ async def test_streamed_audio_starts_before_the_text_ends(serve: tuple[Any, http
         "messages": USER,
         "modalities": ["text", "audio"],
         "stream": True,
-        # Long enough that the talker has its first chunk of codes long before the thinker is done.
-        "max_tokens": 400,
+        # Long enough that the talker has its first chunk of codes long before the thinker is done: the
+        # first audio comes after 200-450 thinker tokens on two loaded CPU cores (400 lost that race).
+        "max_tokens": 2000,
         "ignore_eos": True,
         "temperature": 0,
     }
@@ -230,10 +232,16 @@ async def test_bad_input_gets_a_4xx_envelope(
 async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tuple[Any, httpx.AsyncClient]) -> None:
     import torch
 
-    from omnimodel_runtime.engines.base import StageInput
-    from omnimodel_runtime.engines.omni_code2wav import PagedNoise, sample_mel
-    from omnimodel_runtime.engines.omni_common import CODES_KIND, tensor_frame
-    from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TensorFrame
+    from omnimodel_runtime.engines.omni.code2wav import PagedNoise, sample_mel
+    from omnimodel_runtime.engines.omni.common import CODES_KIND, tensor_frame
+    from omnimodel_runtime.protocol.stage import (
+        FinalFrame,
+        SamplingParams,
+        StageInput,
+        StageParams,
+        StageRequest,
+        TensorFrame,
+    )
 
     app, _ = serve
     engine = app.state.orchestrator.handles["code2wav"].engine
@@ -248,7 +256,7 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
         request_id="chunked",
         prompt="",
         sampling=SamplingParams(seed=7),
-        params={"audio_chunked": True, "voice": "Chelsie"},
+        params=StageParams(audio_chunked=True, voice="Chelsie"),
     )
     pieces = [
         f.tensors["audio"]
@@ -274,27 +282,53 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: tupl
     assert float(np.abs(chunked - single).max()) < CHUNKED_TOLERANCE
 
 
-async def test_a_client_going_away_stops_every_stage(serve: tuple[Any, httpx.AsyncClient]) -> None:
-    from omnimodel_runtime.pipeline import Modality
-    from omnimodel_runtime.protocol.stage import SamplingParams, StageRequest, TensorFrame
+async def test_a_client_going_away_stops_every_stage(
+    serve: tuple[Any, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real HTTP client of the gateway (TCP, not ASGI in memory) asks for a long spoken answer, reads
+    its first text delta and hangs up: the worker of every stage ends that request as cancelled, long
+    before the thousands of thinker steps it asked for."""
+    from omnimodel_runtime.engines.worker import CancelledRequestError
 
     app, _ = serve
-    orchestrator = app.state.orchestrator
-    request = StageRequest(
-        request_id="gone",
-        messages=tuple(USER),
+    engines = {name: app.state.orchestrator.handles[name].engine for name in ("thinker", "talker", "code2wav")}
+    cancelled: dict[str, list[str]] = {name: [] for name in engines}
+    for name, engine in engines.items():
+
+        def run(job: Any, *, _run: Any = engine.run, _name: str = name) -> None:
+            try:
+                _run(job)
+            except CancelledRequestError:
+                cancelled[_name].append(job.request.request_id)
+                raise
+
+        monkeypatch.setattr(engine, "run", run)
+
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "modalities": ["text", "audio"],
+        "stream": True,
         # Thousands of thinker steps: far longer than the deadline below, unless the request is aborted.
-        sampling=SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0),
-        params={"modalities": ["text", "audio"], "audio_chunked": True},
-    )
-    chain = orchestrator.generate_chain(request, [Modality.TEXT, Modality.AUDIO])
-    async for stage, frame in chain:
-        if stage.name == "code2wav" and isinstance(frame, TensorFrame):
-            break  # the first audio: every stage is at work
-    await chain.aclose()
-    engines = [orchestrator.handles[name].engine for name in ("thinker", "talker", "code2wav")]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while any(engine.busy for engine in engines):
-        assert loop.time() < deadline, "a stage kept working for a client that went away"
-        await asyncio.sleep(0.05)
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    async with served_over_tcp(app) as url:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    break  # the thinker is writing; its talker and code2wav have their jobs running
+        # Leaving the stream unread closed its connection: the gateway sees the client disconnect.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not all(cancelled.values()) or any(engine.busy for engine in engines.values()):
+            assert loop.time() < deadline, f"a stage kept working for a client that went away (cancelled: {cancelled})"
+            await asyncio.sleep(0.05)
+    # One request, the same one, everywhere.
+    assert len({tuple(ids) for ids in cancelled.values()}) == 1
+    assert all(len(ids) == 1 for ids in cancelled.values())

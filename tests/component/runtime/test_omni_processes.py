@@ -22,7 +22,7 @@ import pytest
 from runtime_procs import RuntimeProcess, free_port, running, runtime_env
 from test_omni_pipeline import MODEL, USER, Whole, stage_requests
 
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -109,7 +109,8 @@ def test_streamed_audio_arrives_before_the_text_ends(deployment: dict[str, Runti
         "messages": USER,
         "modalities": ["text", "audio"],
         "stream": True,
-        "max_tokens": 400,
+        # The first audio comes after a few hundred thinker tokens; with 400 the thinker could finish first.
+        "max_tokens": 2000,
         "ignore_eos": True,
         "temperature": 0,
     }

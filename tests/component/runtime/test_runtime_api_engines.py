@@ -2,7 +2,7 @@
 
 Each engine starts once per module (vLLM takes ~30 s to start on CPU). The cross-engine check compares
 every served engine's greedy output with the transformers engine called directly: for vLLM that is the
-cross-engine equality PIPELINE-NOTES promises; for transformers it proves the serving path alters
+cross-engine equality docs/pipeline-notes.md promises; for transformers it proves the serving path alters
 nothing.
 """
 
@@ -17,10 +17,10 @@ import openai
 import pytest
 import pytest_asyncio
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.gateway import build_serve_app, serve_pipeline
-from omnimodel_runtime.protocol.stage import SamplingParams, StageRequest, TextFrame
+from omnimodel_runtime.protocol.stage import SamplingParams, StageInput, StageRequest, TextFrame
+from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 pytestmark = [

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
-from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageRequest, TextFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, SamplingParams, StageInput, StageRequest, TextFrame
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]

@@ -20,18 +20,28 @@ import pytest
 import pytest_asyncio
 import torch
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
-from omnimodel_runtime.engines.base import EngineContext, StageInput
-from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine, from_wire, to_wire
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+)
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -159,7 +169,9 @@ async def generate(deployed: Deployed, prompt: str, **params: Any) -> np.ndarray
     request = StageRequest(
         request_id=f"r{time.monotonic_ns()}",
         prompt=prompt,
-        params={"num_inference_steps": STEPS, "width": 32, "height": 32, **params},
+        params=StageParams(
+            image=TextToImageParams(**{"num_inference_steps": STEPS, "width": 32, "height": 32, **params})
+        ),
     )
     images = []
     async for _, frame in deployed.orchestrator.generate_chain(request, [Modality.IMAGE]):
@@ -267,7 +279,8 @@ async def test_a_batch_waits_only_a_bounded_time_for_requests_still_on_their_way
 
         async def run(gate: asyncio.Event | None) -> list[ResponseFrame]:
             request = StageRequest(
-                request_id=f"r{time.monotonic_ns()}", params={"width": 32, "height": 32, "num_inference_steps": 2}
+                request_id=f"r{time.monotonic_ns()}",
+                params=StageParams(image=TextToImageParams(width=32, height=32, num_inference_steps=2)),
             )
             return [f async for f in engine.generate(StageInput(request=request, upstream=upstream(gate)))]
 
@@ -309,20 +322,29 @@ async def test_each_stage_loads_only_its_components(split: Deployed, whole: Depl
     assert whole.engines["t2i"].components == ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 
 
+async def test_a_stage_refuses_a_size_its_model_cannot_draw_with_a_400(split: Deployed) -> None:
+    with pytest.raises(StageError) as err:
+        await generate(split, "a cat", width=30, height=30)
+    assert err.value.status == 400
+    assert err.value.param == "size"
+
+
 @pytest.mark.parametrize(
-    ("params", "param"),
+    ("params", "loc"),
     [
-        ({"width": 30, "height": 30}, "size"),
-        ({"width": 32, "height": None}, "params"),
-        ({"n": 0}, "n"),
-        ({"seed": -5}, "seed"),
+        ({"width": 32, "height": None}, ()),
+        ({"n": 0}, ("n",)),
+        ({"seed": -5}, ("seed",)),
     ],
 )
-async def test_a_stage_refuses_bad_parameters_with_a_400(split: Deployed, params: dict[str, Any], param: str) -> None:
-    with pytest.raises(StageError) as err:
-        await generate(split, "a cat", **params)
-    assert err.value.status == 400
-    assert err.value.param == param
+async def test_parameters_out_of_bounds_never_become_a_stage_request(
+    params: dict[str, Any], loc: tuple[str, ...]
+) -> None:
+    # The typed stage parameters refuse them, naming the field; a stage server refuses such a request
+    # body with a 400 (tests/unit/runtime/test_runtime_remote.py).
+    with pytest.raises(ValidationError) as err:
+        StageParams.model_validate({"image": params})
+    assert err.value.errors()[0]["loc"] == ("image", *loc)
 
 
 async def test_bfloat16_crosses_the_wire_bit_for_bit() -> None:

@@ -20,15 +20,16 @@ from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omnimodel_runtime.engines.base import EngineContext
-from omnimodel_runtime.engines.diffusers_t2i import DiffusersImageEngine
 from omnimodel_runtime.engines.registry import create_engine
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import Modality, ModelSource, get_preset
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR
-from omnimodel_runtime.protocol.stage import StageRequest, TensorFrame
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
+from omnimodel_runtime.protocol.stage import StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -138,7 +139,9 @@ async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> 
         assert engines["decode"].components == ("vae",)
         params = {"n": 2, "width": 16, "height": 24, "num_inference_steps": 3, "seed": 9}
         params |= {"negative_prompt": "bad quality", "true_cfg_scale": 2.0}
-        request = StageRequest(request_id=f"r{time.monotonic_ns()}", prompt=PROMPT, params=params)
+        request = StageRequest(
+            request_id=f"r{time.monotonic_ns()}", prompt=PROMPT, params=StageParams(image=TextToImageParams(**params))
+        )
         frames = [f async for _, f in Orchestrator(pipeline, handles).generate_chain(request, [Modality.IMAGE])]
         (served,) = [np.asarray(f.tensors[IMAGES_TENSOR]) for f in frames if isinstance(f, TensorFrame)]
     finally:

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from runtime_procs import RuntimeProcess, free_port, running, runtime_env
 
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

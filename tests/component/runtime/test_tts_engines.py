@@ -20,12 +20,20 @@ import pytest_asyncio
 import torch
 from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Tokenizer
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.speech_common import GenerationBounds
+from omnimodel_runtime.engines.tts.common import GenerationBounds
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+)
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.serving.audio import to_pcm16
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.tiny import build_tiny, ensure_tiny
@@ -97,7 +105,7 @@ def _request(text: str = TEXT, *, stream: bool, seed: int | None = 5, **params: 
         prompt=text,
         stream=stream,
         sampling=SamplingParams(seed=seed),
-        params={"voice": "alto", **params},
+        params=StageParams(**{"voice": "alto", **params}),
     )
 
 
@@ -190,7 +198,7 @@ async def test_a_caller_that_goes_away_stops_the_decoding(acoustic: Engine) -> N
 
 
 async def test_voices_query_lists_the_shipped_voices(acoustic: Engine) -> None:
-    request = StageRequest(request_id="v", params={"query": "voices"})
+    request = StageRequest(request_id="v", params=StageParams(query="voices"))
     frames = [f async for f in acoustic.generate(StageInput(request=request))]
     assert isinstance(frames[0], TensorFrame)
     assert frames[0].meta == {"voices": ["alto", "bass", "default"], "default": "default"}

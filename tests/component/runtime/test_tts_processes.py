@@ -15,7 +15,7 @@ import openai
 import pytest
 from runtime_procs import RuntimeProcess, free_port, metric_value, running, runtime_env
 
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

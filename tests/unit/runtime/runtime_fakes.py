@@ -5,25 +5,28 @@ A plain module (not conftest) so test files can import it by its unique name."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetrics, StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, Stage, get_preset
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TextFrame, Usage
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TextFrame, Usage
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 
 class FakeEngine(Engine):
@@ -164,3 +167,25 @@ def build_counting(out: Path, *, seed: int) -> None:
     if FAIL_BUILDS and FAIL_BUILDS[-1]:
         raise RuntimeError("build failed halfway")
     (out / "config.json").write_text("{}")
+
+
+async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
+    """A real uvicorn server on 127.0.0.1 in this event loop, running the app's lifespan, until ``stack``
+    closes: httpx's ASGI transport buffers whole responses, so it can show neither chunks arriving nor
+    a stream cut short."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+
+    async def shutdown() -> None:
+        server.should_exit = True
+        await task
+
+    stack.push_async_callback(shutdown)
+    while not server.started:
+        assert not task.done(), "stage server failed to start"
+        await asyncio.sleep(0.01)
+    await app.state.startup.wait()
+    return f"http://127.0.0.1:{port}"

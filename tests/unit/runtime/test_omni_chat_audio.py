@@ -17,16 +17,24 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
-from runtime_fakes import asgi_client, fake_context, lifespan, omni_pipeline, openai_client, sse_events
-from test_runtime_chain import serve_on_loopback
+from runtime_fakes import (
+    asgi_client,
+    fake_context,
+    lifespan,
+    omni_pipeline,
+    openai_client,
+    serve_on_loopback,
+    sse_events,
+)
 
-from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, TextFrame, Usage
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 USER = [{"role": "user", "content": "Say something."}]
 WORDS = 6
@@ -48,7 +56,7 @@ class Thinker(Engine):
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         self.requests.append(inp)
-        voice = inp.request.params.get("voice")
+        voice = inp.request.params.voice
         if voice is not None and voice not in VOICES:
             raise StageError(f"unknown voice {voice!r}", status=400, param="audio.voice")
         for i in range(WORDS):
@@ -150,7 +158,7 @@ async def test_openai_client_gets_text_and_a_wav_that_decodes(omni: OmniServe, h
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (3, WORDS)
     # The stages were asked for audio in Ethan's voice, computed whole (not chunked) for a whole answer.
     params = omni.code2wav.requests[0].request.params
-    assert (params["voice"], params["audio_chunked"]) == ("Ethan", False)
+    assert (params.voice, params.audio_chunked) == ("Ethan", False)
 
 
 async def test_pcm16_format_returns_raw_samples(http: httpx.AsyncClient) -> None:
@@ -165,7 +173,7 @@ async def test_pcm16_format_returns_raw_samples(http: httpx.AsyncClient) -> None
 async def test_vllm_omni_speaker_names_the_voice(omni: OmniServe, http: httpx.AsyncClient) -> None:
     body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], "speaker": "Ethan"}
     assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-    assert omni.thinker.requests[-1].request.params["voice"] == "Ethan"
+    assert omni.thinker.requests[-1].request.params.voice == "Ethan"
     # Naming two different voices is a mistake the client should hear about.
     body["audio"] = {"voice": "Chelsie"}
     resp = await http.post("/v1/chat/completions", json=body)
@@ -217,7 +225,7 @@ async def stream_and_check(omni: OmniServe, http: httpx.AsyncClient) -> None:
     assert [c["choices"][0]["finish_reason"] for c in finish] == ["stop"]
     assert chunks[-1]["usage"]["completion_tokens"] == WORDS
     # Streams are chunked on code2wav, so its first audio does not wait for the last code.
-    assert omni.code2wav.requests[-1].request.params["audio_chunked"] is True
+    assert omni.code2wav.requests[-1].request.params.audio_chunked is True
 
 
 @pytest.mark.parametrize(

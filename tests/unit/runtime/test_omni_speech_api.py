@@ -12,7 +12,7 @@ import pytest
 from runtime_fakes import asgi_client, lifespan, openai_client
 from test_omni_chat_audio import RATE, OmniServe, expected_waveform
 
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM
+from omnimodel_runtime.protocol.stage import StageParams
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ async def test_the_thinker_is_told_to_speak_the_input_and_only_audio_comes_back(
     (inp,) = omni.thinker.requests
     assert inp.request.prompt == "Read me."
     assert inp.request.messages is None
-    assert dict(inp.request.params) == {"voice": "Ethan", "speed": 1.0, SPEAK_PARAM: True}
+    assert inp.request.params == StageParams(voice="Ethan", speed=1.0, speak=True)
     # Every stage gets the same request: code2wav runs whole for a whole file.
     assert omni.code2wav.requests[0].request.stream is False
 

@@ -7,24 +7,22 @@ servers over the frame protocol (RemoteStage with streamed request bodies), all 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from runtime_fakes import fake_context, omni_pipeline
+from runtime_fakes import fake_context, omni_pipeline, serve_on_loopback
 
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import Modality, Pipeline
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
     TextFrame,
@@ -32,7 +30,9 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, RemoteStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.stage.server import build_stage_app
 
 TOKENS = 4
@@ -106,27 +106,6 @@ async def local_handles(pipeline: Pipeline, stack: AsyncExitStack) -> tuple[dict
         stack.push_async_callback(handle.stop)
         handles[stage.name] = handle
     return handles, made
-
-
-async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
-    """A real uvicorn server on 127.0.0.1 in this event loop: httpx's ASGI transport buffers whole
-    responses, which would hide (or deadlock) exactly the streaming this file is about."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-
-    async def shutdown() -> None:
-        server.should_exit = True
-        await task
-
-    stack.push_async_callback(shutdown)
-    while not server.started:
-        assert not task.done(), "stage server failed to start"
-        await asyncio.sleep(0.01)
-    await app.state.startup.wait()
-    return f"http://127.0.0.1:{port}"
 
 
 async def remote_handles(pipeline: Pipeline, stack: AsyncExitStack) -> tuple[dict[str, StageHandle], dict[str, Engine]]:

@@ -11,8 +11,8 @@ import pytest
 from omnimodel_runtime.cli import EXIT_CONFIG, build_parser, main
 from omnimodel_runtime.engines.registry import engine_class, supported
 from omnimodel_runtime.errors import ExtraMissingError, RuntimeSetupError
-from omnimodel_runtime.gateway import serve_pipeline
 from omnimodel_runtime.pipeline import EngineName, PipelineError, Vendor
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
 
@@ -121,6 +121,6 @@ def test_engine_registry_names_what_it_knows_and_what_is_missing(monkeypatch: py
         engine_class(EngineName.VLLM, "omni-talker")
     # A missing library becomes an error naming the extra to install.
     monkeypatch.setitem(sys.modules, "vllm", None)
-    monkeypatch.delitem(sys.modules, "omnimodel_runtime.engines.vllm_text", raising=False)
+    monkeypatch.delitem(sys.modules, "omnimodel_runtime.engines.text.vllm", raising=False)
     with pytest.raises(ExtraMissingError, match=r"omnimodel\[vllm\]"):
         engine_class(EngineName.VLLM, "text-generation")

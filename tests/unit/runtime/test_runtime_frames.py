@@ -25,6 +25,7 @@ from omnimodel_runtime.protocol.stage import (
     Frame,
     RequestFrame,
     SamplingParams,
+    StageParams,
     StageRequest,
     TensorFrame,
     TextFrame,
@@ -36,7 +37,7 @@ REQUEST = StageRequest(
     messages=({"role": "user", "content": "héllo ☃"},),
     sampling=SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=("\n",)),
     deadline=1e9,
-    params={"voice": "alto"},
+    params=StageParams(voice="alto"),
 )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -13,8 +15,7 @@ import pytest
 from fastapi import FastAPI
 from runtime_fakes import FakeEngine, asgi_client, fake_context, lifespan, omni_pipeline, text_pipeline
 
-from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import StageInput
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, decode_frames, encode_frame_bytes, encode_frames
 from omnimodel_runtime.protocol.stage import (
@@ -22,13 +23,15 @@ from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     RequestFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
     TextFrame,
     Usage,
 )
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import RemoteStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.stage.server import build_stage_app
 
 USER = [{"role": "user", "content": "hello there"}]
@@ -211,12 +214,22 @@ async def test_stage_server_streams_frames_and_passes_request_tensors() -> None:
         assert 'omnimodel_queue_depth{stage="llm"} 0.0' in metrics
 
 
+def _request_frame(data: dict[str, object]) -> bytes:
+    """A request frame with a header of our own making (what a caller other than our gateway may send)."""
+    header = json.dumps({"kind": "request", "data": data, "tensors": [], "payload": 0}).encode()
+    return struct.pack(">I", len(header)) + header
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
         (b"", "empty request body"),
         (b"\x00\x00\x00\x05{nope", "malformed request body"),
         (encode_frame_bytes(TextFrame("x")), "must start with a request frame"),
+        # Stage parameters out of their bounds: refused naming the field, before any engine sees them.
+        (_request_frame({"request_id": "r", "params": {"image": {"n": 0}}}), "params.image.n"),
+        (_request_frame({"request_id": "r", "params": {"reply_ids": ["a"]}}), "params.reply_ids"),
+        (_request_frame({"request_id": "r", "params": {"speak": True, "typo": 1}}), "params.typo"),
     ],
 )
 async def test_stage_server_refuses_bad_bodies_with_a_400_error_frame(body: bytes, match: str) -> None:

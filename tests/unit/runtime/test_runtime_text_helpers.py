@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omnimodel_runtime.engines.text import (
+from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     render_prompt,

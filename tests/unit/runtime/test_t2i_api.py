@@ -21,16 +21,17 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 from runtime_fakes import FakeServe, asgi_client, fake_context, lifespan, openai_client
 
-from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, get_preset
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 from omnimodel_runtime.serving.images import encode_png
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 MODEL = "text-to-image"
 
@@ -51,7 +52,7 @@ class FakeImageStage(Engine):
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         self.requests.append(inp)
-        params = inp.request.params
+        params = inp.request.params.image
         task = self.stage.task
         if task == "t2i-encode":
             prompt = inp.request.prompt or ""
@@ -62,13 +63,13 @@ class FakeImageStage(Engine):
         upstream = [f async for f in inp.upstream]
         assert isinstance(upstream[-1], FinalFrame)
         if task == "t2i-denoise":
-            if params.get("width") == 24:
+            if params.width == 24:
                 raise StageError("size must be a multiple of 16", status=400, param="size")
-            n, seed = int(params.get("n", 1)), int(params.get("seed", 0))
+            n, seed = params.n, params.seed or 0
             yield TensorFrame({"latents": np.arange(seed, seed + n, dtype=np.int64)})
         else:
             latents = next(f for f in upstream if isinstance(f, TensorFrame)).tensors["latents"]
-            height, width = int(params.get("height", 64)), int(params.get("width", 64))
+            height, width = params.height or 64, params.width or 64
             images = np.zeros((len(latents), height, width, 3), dtype=np.uint8)
             for i, seed in enumerate(latents):
                 images[i, ..., 0] = int(seed) % 251
@@ -138,15 +139,11 @@ async def test_openai_client_gets_one_png_per_image_of_the_requested_size(
     for engine in serve.engines.values():
         (inp,) = engine.requests
         assert inp.request.prompt == "a red cat"
-        assert dict(inp.request.params) == {
-            "n": 2,
-            "width": 48,
-            "height": 32,
-            "num_inference_steps": 3,
-            "true_cfg_scale": 2.5,
-            "negative_prompt": "blurry",
-            "seed": 40,
-        }
+        assert inp.request.params == StageParams(
+            image=TextToImageParams(
+                n=2, width=48, height=32, num_inference_steps=3, true_cfg_scale=2.5, negative_prompt="blurry", seed=40
+            )
+        )
 
 
 async def test_a_fixed_seed_repeats_and_another_seed_differs(client: openai.AsyncOpenAI) -> None:

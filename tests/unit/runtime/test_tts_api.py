@@ -3,9 +3,7 @@ acoustic and vocoder engines behind the ``tts`` preset (the real engines are in 
 
 from __future__ import annotations
 
-import asyncio
 import io
-import socket
 import wave
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -14,19 +12,19 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from runtime_fakes import asgi_client, fake_context, lifespan, openai_client
+from runtime_fakes import asgi_client, fake_context, lifespan, openai_client, serve_on_loopback
 
-from omnimodel_runtime.api import build_app
-from omnimodel_runtime.engines.base import Engine, StageInput
+from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import serve_pipeline
+from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
+from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, StageHandle
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 RATE = 8000
 HOP = 4
@@ -55,13 +53,13 @@ class FakeAcoustic(Engine):
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         request = inp.request
-        if request.params.get("query") == "voices":
+        if request.params.query == "voices":
             yield TensorFrame({}, meta={"voices": ["alto", "default"], "default": "default"})
             yield FinalFrame("stop")
             return
         self.requests.append(inp)
-        if request.params.get("voice") not in ("default", "alto"):
-            raise StageError(f"unknown voice {request.params.get('voice')!r}", status=400, param="voice")
+        if request.params.voice not in ("default", "alto"):
+            raise StageError(f"unknown voice {request.params.voice!r}", status=400, param="voice")
         text = request.prompt or ""
         mel = mel_of(text)
         for start in range(0, len(mel), 8):
@@ -129,7 +127,7 @@ async def test_speech_returns_a_wav_file_with_the_pipeline_audio(tts: tuple[http
     np.testing.assert_array_equal(samples, pcm(audio_of(mel_of("Hello"))))
     (inp,) = acoustic.requests
     assert inp.request.prompt == "Hello"
-    assert dict(inp.request.params) == {"voice": "alto", "speed": 1.5}
+    assert inp.request.params == StageParams(voice="alto", speed=1.5)
     assert inp.request.stream is False
 
 
@@ -221,27 +219,6 @@ async def test_wrong_model_is_a_404(tts: tuple[httpx.AsyncClient, FakeAcoustic])
     client = openai_client(tts[0])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         await client.audio.speech.create(model="tts-1", voice="default", input="hi")
-
-
-async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
-    """A real uvicorn server on 127.0.0.1 in this event loop (httpx's ASGI transport buffers whole
-    responses, so it can show neither chunks arriving nor a stream cut short)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-
-    async def shutdown() -> None:
-        server.should_exit = True
-        await task
-
-    stack.push_async_callback(shutdown)
-    while not server.started:
-        assert not task.done(), "server failed to start"
-        await asyncio.sleep(0.01)
-    await app.state.startup.wait()
-    return f"http://127.0.0.1:{port}"
 
 
 async def test_a_failure_after_the_first_bytes_cuts_the_stream_short() -> None:

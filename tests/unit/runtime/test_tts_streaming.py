@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnimodel_runtime.engines.speech_common import (
+from omnimodel_runtime.engines.audio import TimeStretch
+from omnimodel_runtime.engines.tts.common import (
     ChunkPlan,
     GenerationBounds,
-    TimeStretch,
     hifigan_context_frames,
     load_voices,
     stage_dir,

@@ -1,7 +1,7 @@
 """HiFi-GAN vocoder stage (``tts-vocoder``): log-mel frames from the acoustic stage -> waveform, streamed.
 
 With ``stream=True`` the vocoder starts on the first mel chunk instead of waiting for the utterance: it
-vocodes chunk by chunk as frames arrive (see :class:`~omnimodel_runtime.engines.speech_common.ChunkPlan`),
+vocodes chunk by chunk as frames arrive (see :class:`~omnimodel_runtime.engines.tts.common.ChunkPlan`),
 each over a window that carries HiFi-GAN's receptive field on both sides, so chunks join without seams.
 The concatenated chunks equal the whole-utterance waveform up to float rounding of the convolutions over
 different window lengths (measured: < 2e-6, at most 1 LSB after 16-bit quantisation). With
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
@@ -23,18 +25,18 @@ import torch
 from transformers import SpeechT5HifiGan
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.speech_common import (
-    VOCODER_DIR,
+from omnimodel_runtime.engines.tts.common import (
     ChunkPlan,
     ChunkWindow,
-    Worker,
     hifigan_context_frames,
     stage_dir,
 )
+from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, TensorFrame, Usage
+from omnimodel_runtime.layout import VOCODER_DIR
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageRequest, TensorFrame, Usage
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,15 @@ DEFAULT_FIRST_CHUNK: Final = 16
 DEFAULT_LARGEST_CHUNK: Final = 128
 
 
-class HifiGanVocoderEngine(Engine):
+@dataclass(eq=False, kw_only=True)
+class _Vocode(Job):
+    """One vocoder pass of a request (a window of its mel, or all of it): the worker answers with one
+    audio frame. Requests stream window by window, so concurrent requests take turns on the worker."""
+
+    audio: Callable[[], TensorFrame]
+
+
+class HifiGanVocoderEngine(WorkerEngine[_Vocode]):
     """``transformers`` adapter for the ``tts-vocoder`` task."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -55,28 +65,18 @@ class HifiGanVocoderEngine(Engine):
         self._largest = int(args.get("largest_chunk_frames", DEFAULT_LARGEST_CHUNK))
         self._context_arg = args.get("context_frames")
         self._threads = args.get("threads")
-        self._worker = Worker(f"engine-{context.stage.name}")
         self._model: Any = None
         self.sample_rate = 0
         self.hop = 0
         self.context_frames = 0
         self.num_mel_bins = 0
 
-    async def start(self) -> None:
-        self._worker.start()
-        await self._worker.run(self._load)
-
     async def warmup(self) -> None:
         mel = np.zeros((4, self.num_mel_bins), dtype=np.float32)
-        await self._worker.run(lambda: self._vocode(mel))
+        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}")
+        await self.result(_Vocode(request=request, audio=lambda: self._audio(self._vocode(mel), 0)))
 
-    async def stop(self) -> None:
-        await self._worker.stop()
-
-    def queue_depth(self) -> int:
-        return self._worker.pending()
-
-    def _load(self) -> None:
+    def load(self) -> None:
         hf_logging.disable_progress_bar()
         if self._threads is not None:
             torch.set_num_threads(int(self._threads))
@@ -110,12 +110,13 @@ class HifiGanVocoderEngine(Engine):
     def _vocode(self, mel: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             spectrogram = torch.from_numpy(mel).to(self._device)
-            # An un-batched (frames, bins) spectrogram gives an un-batched waveform (PIPELINE-NOTES).
+            # An un-batched (frames, bins) spectrogram gives an un-batched waveform (docs/pipeline-notes.md).
             wave = self._model(spectrogram)
             out: np.ndarray = wave.float().cpu().numpy()
             return out
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
+        self.require_running()
         if inp.upstream is None:
             raise StageError(f"stage {self.stage.name!r} turns mel frames into audio; it needs an upstream stage")
         stream = inp.request.stream
@@ -140,16 +141,32 @@ class HifiGanVocoderEngine(Engine):
             if not stream:
                 continue
             while (window := plan.next(len(mel), finished=finished)) is not None:
-                audio = await self._worker.run(partial(self._window, mel, window))
-                yield self._audio(audio, samples)
-                samples += len(audio)
+                audio = await self._pass(inp.request, partial(self._window, mel, window), samples)
+                yield audio
+                samples += len(audio.tensors["audio"])
         if not finished:
             raise StageError("the acoustic stage ended without finishing the utterance", status=502)
         if not stream and len(mel):
-            audio = await self._worker.run(lambda: self._vocode(mel))
-            yield self._audio(audio, samples)
-            samples += len(audio)
+            audio = await self._pass(inp.request, lambda: self._vocode(mel), samples)
+            yield audio
+            samples += len(audio.tensors["audio"])
         yield FinalFrame("stop", Usage(completion_tokens=samples))
+
+    async def _pass(self, request: StageRequest, vocode: Callable[[], np.ndarray], start: int) -> TensorFrame:
+        """One vocoder pass on the worker: its audio, as the frame that starts at sample ``start``."""
+        frame = await self.result(_Vocode(request=request, audio=lambda: self._audio(vocode(), start)))
+        assert isinstance(frame, TensorFrame)
+        return frame
+
+    def serve(self) -> None:
+        while (job := self.take()) is not None:
+            if job.cancelled:
+                continue
+            try:
+                self.emit(job, job.audio())
+            except Exception as err:
+                self.fail(job, err)
+            self.flush()
 
     def _window(self, mel: np.ndarray, w: ChunkWindow) -> np.ndarray:
         wave = self._vocode(np.ascontiguousarray(mel[w.lo : w.hi]))

@@ -20,14 +20,15 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import Engine, EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.text import GenerationDefaults, ResolvedSampling, render_prompt, resolve_sampling
+from omnimodel_runtime.engines.text.common import GenerationDefaults, ResolvedSampling, render_prompt, resolve_sampling
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
     StageRequest,
     TextFrame,
     Usage,
@@ -35,7 +36,7 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-# What vLLM needs to run a small model on CPU (PIPELINE-NOTES): fp32, eager mode, a small KV budget
+# What vLLM needs to run a small model on CPU (docs/pipeline-notes.md): fp32, eager mode, a small KV budget
 # (gpu_memory_utilization means a share of CPU memory there) and a short context. Stage engine_args
 # override any of these; on GPUs vLLM's own defaults apply.
 CPU_DEFAULTS: dict[str, Any] = {

@@ -8,24 +8,19 @@
 - **Per-request randomness** for Hugging Face ``generate()``: its sampling draws from the process-global
   generator, which the thinker and talker (and other requests) would otherwise share. :class:`RngTurn`
   lends the global generator to one request for exactly the span of one sampling step.
-- **The worker**: one thread per engine, fed by a queue, one request at a time (the modules keep per-call
-  state such as ``rope_deltas`` during ``generate()``, so one instance must not run two calls at once);
-  frames are posted back to the event loop thread-safely, cancellation is a flag checked every step.
+
+The engine base the three share, one request at a time on a worker thread, is :mod:`.engine`.
 """
 
 from __future__ import annotations
 
-import abc
-import asyncio
 import contextlib
 import json
 import logging
-import queue
 import secrets
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,15 +29,9 @@ import torch
 from transformers import Qwen2_5OmniConfig
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
-from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.threads import set_exception, set_result
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.speech import SPEAK_PARAM
+from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
-    FinalFrame,
-    ResponseFrame,
     StageRequest,
     TensorFrame,
 )
@@ -59,8 +48,6 @@ RNG_KIND: Final = "omni.talker.rng"  # talker -> code2wav, the talker's generato
 AUDIO_META: Final = {"modality": "audio"}  # code2wav -> client (plus sample_rate)
 
 SAMPLE_RATE: Final = 24000
-GENERATION_FILE: Final = "omni_generation_config.json"
-SPEAKER_FILE: Final = "spk_dict.pt"
 # The whole model's generate() uses this voice when none is named.
 DEFAULT_VOICE: Final = "Chelsie"
 # The seed of a speech request that names none.
@@ -157,9 +144,9 @@ def load_prefixed(module: torch.nn.Module, model_dir: Path, prefix: str) -> None
 
 
 def generation_overrides(model_dir: Path, part: str, engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """Stage parameters from the model directory's :data:`GENERATION_FILE` (``{part: {...}}``), then the
+    """Stage parameters from the model directory's :data:`OMNI_GENERATION_FILE` (``{part: {...}}``), then the
     stage's ``engine_args`` (``{part}_{key}`` or a ``generation`` mapping) on top."""
-    path = model_dir / GENERATION_FILE
+    path = model_dir / OMNI_GENERATION_FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
     out = dict(data.get(part, {}))
     out.update(engine_args.get("generation", {}) or {})
@@ -179,9 +166,9 @@ class Speakers:
 
     @classmethod
     def load(cls, model_dir: Path) -> Speakers:
-        path = model_dir / SPEAKER_FILE
+        path = model_dir / OMNI_SPEAKER_FILE
         if not path.is_file():
-            raise RuntimeError(f"{model_dir} has no {SPEAKER_FILE}: the model has no voices")
+            raise RuntimeError(f"{model_dir} has no {OMNI_SPEAKER_FILE}: the model has no voices")
         data = torch.load(path, weights_only=True, map_location="cpu")
         return cls(entries={str(k): v for k, v in data.items()})
 
@@ -214,19 +201,10 @@ class Speakers:
         return self.entries[name]
 
 
-def request_voice(request: StageRequest) -> str | None:
-    voice = request.params.get("voice")
-    return None if voice is None else str(voice)
-
-
-def speaks(request: StageRequest) -> bool:
-    """Whether this is a ``/v1/audio/speech`` request: say ``prompt`` verbatim instead of answering it."""
-    return bool(request.params.get(SPEAK_PARAM))
-
-
 def voice_param(request: StageRequest) -> str:
-    """The API field that names the voice, for error messages."""
-    return "voice" if speaks(request) else "audio.voice"
+    """The API field that names the voice, for error messages: ``/v1/audio/speech`` requests (the thinker
+    speaks their text verbatim) name it ``voice``, chat requests ``audio.voice``."""
+    return "voice" if request.params.speak else "audio.voice"
 
 
 def request_seed(request: StageRequest) -> int:
@@ -236,7 +214,7 @@ def request_seed(request: StageRequest) -> int:
     seed = request.sampling.seed
     if seed is not None:
         return seed
-    return SPEECH_SEED if speaks(request) else secrets.randbits(63)
+    return SPEECH_SEED if request.params.speak else secrets.randbits(63)
 
 
 # ---------------------------------------------------------------- randomness
@@ -291,202 +269,6 @@ class RngTurn:
         gen = torch.Generator(device=self._device)
         gen.set_state(self.state)
         return gen
-
-
-# ---------------------------------------------------------------- the worker
-
-
-class CancelledRequestError(Exception):
-    """Raised inside the worker when the caller went away or the deadline passed."""
-
-
-_END: Final = object()  # end of an upstream feed
-_STOP: Final = object()  # worker shutdown
-
-
-@dataclass(eq=False)
-class Job:
-    """One request inside a worker. ``cancelled`` is the only field the event loop writes."""
-
-    request: StageRequest
-    out: asyncio.Queue[ResponseFrame]
-    loop: asyncio.AbstractEventLoop
-    feed: queue.Queue[Any] = field(default_factory=queue.Queue)
-    cancelled: bool = False
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def emit(self, frame: ResponseFrame) -> None:
-        # The loop may be gone during shutdown; nobody is listening then.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.out.put_nowait, frame)
-
-    def check(self) -> None:
-        """Abort the request (in the worker) when nobody wants it any more."""
-        if self.cancelled:
-            raise CancelledRequestError
-        deadline = self.request.deadline
-        if deadline is not None and time.time() >= deadline:
-            raise StageError("the request ran past its deadline", status=504, type="timeout")
-
-    def upstream(self, poll: float = 0.05) -> Iterator[ResponseFrame]:
-        """The upstream stage's frames, blocking until each arrives (checking for cancellation)."""
-        while True:
-            try:
-                item = self.feed.get(timeout=poll)
-            except queue.Empty:
-                self.check()
-                continue
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-
-class OmniEngine(Engine, abc.ABC):
-    """A worker-thread engine running one Qwen2.5-Omni part; subclasses load and run requests."""
-
-    def __init__(self, context: EngineContext) -> None:
-        super().__init__(context)
-        self.args = dict(context.stage.engine_args)
-        self.device = resolve_device(context.settings.device)
-        self.dtype = torch_dtype(self.args.get("dtype"), self.device)
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._current: Job | None = None  # the job the worker is running (so stop() can abort it)
-
-    # ------------------------------------------------------------ subclass hooks
-
-    @abc.abstractmethod
-    def load(self) -> None:
-        """Load the part (worker thread)."""
-
-    def prepare(self, inp: StageInput, job: Job) -> None:
-        """Validate the request on the event loop (raise ``StageError`` 4xx); may fill ``job.data``."""
-
-    def query(self, request: StageRequest) -> list[ResponseFrame] | None:
-        """The answer to a request that asks about the engine rather than for work (e.g. the voices),
-        given on the event loop without the worker; ``None`` for ordinary requests."""
-        return None
-
-    @abc.abstractmethod
-    def run(self, job: Job) -> None:
-        """Serve one request on the worker thread, emitting frames; the worker adds nothing after it."""
-
-    # ------------------------------------------------------------ life cycle
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
-
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        current = self._current
-        if current is not None:
-            # A talker waiting for rows that will never come must not hold the shutdown forever.
-            current.cancelled = True
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
-    def queue_depth(self) -> int:
-        return self._inbox.qsize()
-
-    @property
-    def busy(self) -> bool:
-        """Whether the worker is running a request right now."""
-        return self._current is not None
-
-    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
-        answer = self.query(inp.request)
-        if answer is not None:
-            for frame in answer:
-                yield frame
-            return
-        job = Job(request=inp.request, out=asyncio.Queue(), loop=self._loop)
-        self.prepare(inp, job)
-        pump = asyncio.create_task(self._pump(inp.upstream, job)) if inp.upstream is not None else None
-        self._inbox.put(job)
-        try:
-            while True:
-                frame = await job.out.get()
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
-                yield frame
-                if isinstance(frame, FinalFrame):
-                    return
-        finally:
-            job.cancelled = True
-            if pump is not None:
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
-
-    @staticmethod
-    async def _pump(upstream: AsyncIterator[ResponseFrame], job: Job) -> None:
-        """Move upstream frames into the worker's thread-safe feed as they arrive."""
-        try:
-            async for frame in upstream:
-                job.feed.put(frame)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # the worker raises it where it waits for input
-            job.feed.put(err)
-        finally:
-            job.feed.put(_END)
-
-    # ------------------------------------------------------------ worker thread
-
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            with torch.inference_mode():
-                self.load()
-        except BaseException as err:
-            loop.call_soon_threadsafe(set_exception, loaded, err)
-            return
-        loop.call_soon_threadsafe(set_result, loaded)
-        log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
-        while True:
-            job = self._inbox.get()
-            if job is _STOP:
-                self._refuse_queued()
-                return
-            if job.cancelled:
-                continue
-            self._current = job
-            try:
-                with torch.inference_mode():
-                    self.run(job)
-            except CancelledRequestError:
-                pass
-            except StageError as err:
-                job.emit(ErrorFrame.from_error(err))
-            except Exception as err:  # a failed request fails itself, not the engine
-                log.exception("Request %s failed in stage %s", job.request.request_id, self.stage.name)
-                job.emit(ErrorFrame(f"stage {self.stage.name!r} failed: {err}", status=500))
-            finally:
-                self._current = None
-
-    def _refuse_queued(self) -> None:
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(job, Job):
-                job.emit(ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
 
 
 def tensor_frame(kind: str, tensors: Mapping[str, np.ndarray], **meta: Any) -> TensorFrame:

@@ -1,47 +1,31 @@
-"""What the two TTS stages share, without torch: model-directory layout, voices, generation bounds, the
-streaming time-stretch of mel frames, the vocoder's chunk plan, and a queue-fed worker thread.
+"""What the two TTS stages share, without torch: where each stage's weights are, voices, generation
+bounds and the vocoder's chunk plan.
 
-The streaming pieces are exact by construction: every output value is computed from the same inputs
-with the same elementwise operations whether the input arrives at once or in chunks, so streamed and
-whole-utterance output differ only where a convolution runs over a window instead of the whole
-sequence (float rounding, never a seam: windows carry the model's full receptive field).
+The chunk plan is exact by construction: every window carries the vocoder's full receptive field, so
+streamed and whole-utterance output differ only where a convolution runs over a window instead of the
+whole sequence (float rounding, never a seam).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
-import queue
 import re
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import numpy as np
 
-from omnimodel_runtime.engines.threads import post, set_exception, set_result
 from omnimodel_runtime.errors import RuntimeSetupError
+from omnimodel_runtime.layout import SPEECH_CONFIG
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-ACOUSTIC_DIR: Final = "acoustic"
-VOCODER_DIR: Final = "vocoder"
-VOICES_DIR: Final = "voices"
-SPEECH_CONFIG: Final = "speech.json"
 DEFAULT_VOICE: Final = "default"
 VOICE_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-# The request parameter that asks the acoustic stage for its voices instead of speech.
-QUERY_VOICES: Final = "voices"
-
-MIN_SPEED: Final = 0.25
-MAX_SPEED: Final = 4.0
 
 
 def stage_dir(model_dir: Path, engine_args: Mapping[str, Any], default: str) -> Path:
@@ -112,58 +96,6 @@ def load_voices(voices_dir: Path, dim: int) -> dict[str, np.ndarray]:
             voices[name] = emb
     voices.setdefault(DEFAULT_VOICE, np.zeros(dim, dtype=np.float32))
     return voices
-
-
-class TimeStretch:
-    """Changes the duration of a mel stream by ``speed`` (2.0 = twice as fast), pitch unchanged.
-
-    Output frame ``j`` is the linear interpolation of the input at position ``j * speed``; for ``T``
-    input frames there are ``floor((T - 1) / speed) + 1`` output frames. A frame is emitted as soon as
-    both input frames around its position have arrived, with the same arithmetic whichever chunk they
-    came in, so a streamed stretch equals the stretch of the whole utterance exactly.
-    """
-
-    def __init__(self, speed: float) -> None:
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise ValueError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
-        self.speed = speed
-        self._buf: np.ndarray | None = None  # input frames from index self._base on
-        self._base = 0
-        self._next = 0  # next output frame
-
-    def push(self, frames: np.ndarray, *, final: bool = False) -> np.ndarray:
-        """Add input frames ``(n, bins)``; return the output frames that became computable."""
-        frames = np.asarray(frames, dtype=np.float32)
-        if self.speed == 1.0:
-            return frames
-        self._buf = frames if self._buf is None else np.concatenate([self._buf, frames])
-        available = self._base + len(self._buf)
-        if available == 0:
-            return frames[:0]
-        # Output j needs input floor(x_j) + 1 (its right neighbour) unless the stream ended, when the
-        # last frame stands in for it (with weight 0 it does not change the value anyway).
-        last = math.floor((available - 1) / self.speed)
-        if not final:
-            while last >= self._next and math.floor(last * self.speed) > available - 2:
-                last -= 1
-        if last < self._next:
-            return self._buf[:0]
-        pos = np.arange(self._next, last + 1, dtype=np.float64) * self.speed
-        left = np.floor(pos).astype(np.int64)
-        right = np.minimum(left + 1, available - 1)
-        weight = (pos - left).astype(np.float32)[:, None]
-        a = self._buf[left - self._base]
-        b = self._buf[right - self._base]
-        out = a + (b - a) * weight
-        self._next = last + 1
-        # Frames before the next output's left neighbour are no longer needed (at speed > 1 that may
-        # be beyond what has arrived: then everything goes).
-        keep_from = min(math.floor(self._next * self.speed), available)
-        if keep_from > self._base:
-            self._buf = self._buf[keep_from - self._base :]
-            self._base = keep_from
-        result: np.ndarray = out.astype(np.float32, copy=False)
-        return result
 
 
 @dataclass(frozen=True)
@@ -237,55 +169,3 @@ def hifigan_context_frames(
         reach += block / rate
     reach += (post_kernel - 1) / 2 / rate
     return math.ceil(reach)
-
-
-class Worker:
-    """One thread running blocking jobs in order; results go back to the event loop thread-safely.
-
-    Model calls are not thread-safe and compete for the same cores, so each engine runs all of its
-    torch work on its one worker, never on the event loop.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-        self._thread.start()
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the worker thread; cancelling the caller drops a job that has not started."""
-        if self._thread is None or self._loop is None:
-            raise RuntimeError(f"worker {self.name} is not running")
-        fut: asyncio.Future[T] = self._loop.create_future()
-        self._jobs.put((fn, fut))
-        return await fut
-
-    def pending(self) -> int:
-        return self._jobs.qsize()
-
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._jobs.put(None)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
-    def _main(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            if fut.cancelled():
-                continue
-            try:
-                result = fn()
-            except BaseException as err:
-                post(loop, set_exception, fut, err)
-            else:
-                post(loop, set_result, fut, result)

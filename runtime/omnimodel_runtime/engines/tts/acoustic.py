@@ -22,13 +22,10 @@ output depends only on its seed (the request's, else the engine's), not on what 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import math
-import queue
 import secrets
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -38,26 +35,23 @@ import torch
 from transformers import SpeechT5ForTextToSpeech, SpeechT5Tokenizer
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device
-from omnimodel_runtime.engines.speech_common import (
-    ACOUSTIC_DIR,
+from omnimodel_runtime.engines.tts.common import (
     DEFAULT_VOICE,
-    MAX_SPEED,
-    MIN_SPEED,
-    QUERY_VOICES,
-    VOICES_DIR,
     GenerationBounds,
-    TimeStretch,
     load_voices,
     stage_dir,
 )
-from omnimodel_runtime.engines.threads import post, set_exception, set_result
+from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.layout import ACOUSTIC_DIR, VOICES_DIR
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
+    QUERY_VOICES,
     FinalFrame,
     ResponseFrame,
+    StageInput,
     StageRequest,
     TensorFrame,
     Usage,
@@ -65,7 +59,6 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-_STOP: Final = object()
 # Mel frames per hand-off frame while streaming (16 ms of audio each at 16 kHz, hop 256).
 DEFAULT_STREAM_FRAMES: Final = 8
 
@@ -96,17 +89,14 @@ class _Rng:
             self._module.set_rng_state(state, self.device)
 
 
-@dataclass(eq=False)
-class _Utterance:
-    """One request inside the worker. Only ``cancelled`` is written from the event loop."""
+@dataclass(eq=False, kw_only=True)
+class _Utterance(Job):
+    """One request inside the worker; everything but ``cancelled`` belongs to the worker thread."""
 
-    request: StageRequest
     ids: list[int]
     speaker: np.ndarray
     seed: int
     speed: float
-    out: asyncio.Queue[ResponseFrame]
-    cancelled: bool = False
     # Worker-owned decoding state.
     rng: Any = None
     encoder: Any = None
@@ -123,7 +113,7 @@ class _Utterance:
     stretch: TimeStretch | None = None
 
 
-class SpeechT5AcousticEngine(Engine):
+class SpeechT5AcousticEngine(WorkerEngine[_Utterance]):
     """``transformers`` adapter for the ``tts-acoustic`` task."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -135,9 +125,6 @@ class SpeechT5AcousticEngine(Engine):
         self._stream_frames = int(args.get("stream_frames", DEFAULT_STREAM_FRAMES))
         self._max_active = int(args.get("max_batch_size", context.settings.max_batch_size))
         self._threads = args.get("threads")
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._model: Any = None
         self._tokenizer: Any = None
         self._voices: dict[str, np.ndarray] = {}
@@ -145,34 +132,13 @@ class SpeechT5AcousticEngine(Engine):
         self._max_tokens = 0
         self._reach = 0
         self._rng: _Rng | None = None
-        self._outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]] = []
 
-    # ------------------------------------------------------------------ life cycle (event loop side)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
+    # ------------------------------------------------------------------ event loop side
 
     async def warmup(self) -> None:
         request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.")
         async for _ in self.generate(StageInput(request=request)):
             pass
-
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
-    def queue_depth(self) -> int:
-        return self._inbox.qsize()
 
     @property
     def max_model_len(self) -> int | None:
@@ -184,43 +150,29 @@ class SpeechT5AcousticEngine(Engine):
         return sorted(self._voices)
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        self.require_running()
         request = inp.request
-        if request.params.get("query") == QUERY_VOICES:
+        if request.params.query == QUERY_VOICES:
             yield TensorFrame({}, meta={"voices": self.voices, "default": DEFAULT_VOICE})
             yield FinalFrame("stop")
             return
-        utterance = self._utterance(request)
-        self._inbox.put(utterance)
-        try:
-            while True:
-                frame = await utterance.out.get()
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
+        # Closed explicitly: a caller going away drops the utterance at the worker's next pass, not at
+        # garbage collection.
+        async with contextlib.aclosing(self.stream(self._utterance(request))) as frames:
+            async for frame in frames:
                 yield frame
-                if isinstance(frame, FinalFrame):
-                    return
-        finally:
-            # The caller went away (or we finished): the worker drops the utterance at its next pass.
-            utterance.cancelled = True
 
     def _utterance(self, request: StageRequest) -> _Utterance:
         """Validate a speech request (bad input is a 400 naming the field) and tokenize it."""
         text = request.prompt or ""
         if not text.strip():
             raise StageError("the input text is empty", status=400, param="input")
-        voice = str(request.params.get("voice") or DEFAULT_VOICE)
+        voice = request.params.voice or DEFAULT_VOICE
         if voice not in self._voices:
             raise StageError(
                 f"unknown voice {voice!r} (this model has: {', '.join(self.voices)})", status=400, param="voice"
             )
-        try:
-            speed = float(request.params.get("speed", 1.0))
-        except (TypeError, ValueError):
-            raise StageError("speed must be a number", status=400, param="speed") from None
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise StageError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}", status=400, param="speed")
+        speed = checked_speed(request.params.speed)
         ids: list[int] = self._tokenizer(text).input_ids
         if len(ids) > self._max_tokens:
             raise StageError(
@@ -229,28 +181,14 @@ class SpeechT5AcousticEngine(Engine):
                 param="input",
             )
         seed = request.sampling.seed if request.sampling.seed is not None else self._default_seed
-        return _Utterance(
-            request=request, ids=ids, speaker=self._voices[voice], seed=seed, speed=speed, out=asyncio.Queue()
-        )
+        return _Utterance(request=request, ids=ids, speaker=self._voices[voice], seed=seed, speed=speed)
 
     # ------------------------------------------------------------------ worker thread
 
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            self._load()
-        except BaseException as err:
-            post(loop, set_exception, loaded, err)
-            return
-        post(loop, set_result, loaded)
-        with torch.inference_mode():
-            try:
-                self._serve()
-            finally:
-                self._flush()
+    def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-    def _load(self) -> None:
+    def load(self) -> None:
         hf_logging.disable_progress_bar()
         if self._threads is not None:
             torch.set_num_threads(int(self._threads))
@@ -280,30 +218,23 @@ class SpeechT5AcousticEngine(Engine):
             self._max_tokens,
         )
 
-    def _emit(self, u: _Utterance, frame: ResponseFrame) -> None:
-        self._outbox.append((u.out, frame))
-
-    def _flush(self) -> None:
-        if not self._outbox or self._loop is None:
-            return
-        outbox, self._outbox = self._outbox, []
-        post(self._loop, _deliver, outbox)
-
-    def _serve(self) -> None:
+    def serve(self) -> None:
         active: list[_Utterance] = []
         while True:
-            self._flush()
-            new, stopping = self._take_new(idle=not active, room=self._max_active - len(active))
-            if stopping:
+            self.flush()
+            new = self.gather(self._max_active - len(active), block=not active)
+            if self.stopping:
                 for u in [*active, *new]:
-                    self._emit(u, ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
+                    self.refuse(u)
                 return
             for u in new:
-                if self._guarded(u, self._begin):
+                if not u.cancelled and self._guarded(u, self._begin):
                     active.append(u)
             # Utterances that finished, failed, went away or ran out of time leave the rotation.
             active = [
-                u for u in active if not u.cancelled and not self._expired(u) and not self._guarded(u, self._step)
+                u
+                for u in active
+                if not u.cancelled and not self.drop_if_expired(u) and not self._guarded(u, self._step)
             ]
 
     def _guarded(self, u: _Utterance, phase: Callable[[_Utterance], bool]) -> bool:
@@ -312,34 +243,9 @@ class SpeechT5AcousticEngine(Engine):
         try:
             return phase(u)
         except Exception as err:
-            log.exception("Speech generation failed for request %s", u.request.request_id)
-            self._emit(u, ErrorFrame(f"speech generation failed: {err}", status=500))
+            self.fail(u, err)
             # A failed set-up must not join the rotation; a failed step must leave it.
             return phase != self._begin
-
-    def _take_new(self, *, idle: bool, room: int) -> tuple[list[_Utterance], bool]:
-        new: list[_Utterance] = []
-        if idle:
-            item = self._inbox.get()
-            if item is _STOP:
-                return new, True
-            new.append(item)
-        while len(new) < room:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                return new, True
-            new.append(item)
-        return [u for u in new if not u.cancelled], False
-
-    def _expired(self, u: _Utterance) -> bool:
-        deadline = u.request.deadline
-        if deadline is None or time.time() < deadline:
-            return False
-        self._emit(u, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
-        return True
 
     def _begin(self, u: _Utterance) -> bool:
         """Encode the text; set up the decoding state exactly as ``_generate_speech`` does."""
@@ -397,7 +303,7 @@ class SpeechT5AcousticEngine(Engine):
             self._emit_mel(u, finished=finished is not None)
         if finished is not None:
             self.context.metrics.add_generated_tokens(u.steps)
-            self._emit(u, FinalFrame(finished, Usage(prompt_tokens=len(u.ids), completion_tokens=u.steps)))
+            self.emit(u, FinalFrame(finished, Usage(prompt_tokens=len(u.ids), completion_tokens=u.steps)))
             return True
         return False
 
@@ -421,10 +327,5 @@ class SpeechT5AcousticEngine(Engine):
         assert u.stretch is not None
         frames = u.stretch.push(mel, final=finished)
         if len(frames) or finished:
-            self._emit(u, TensorFrame({"mel": np.ascontiguousarray(frames)}, meta={"start": u.sent}))
+            self.emit(u, TensorFrame({"mel": np.ascontiguousarray(frames)}, meta={"start": u.sent}))
             u.sent += len(frames)
-
-
-def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
-    for queue_, frame in outbox:
-        queue_.put_nowait(frame)

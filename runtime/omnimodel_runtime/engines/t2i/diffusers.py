@@ -2,7 +2,7 @@
 stages, with request batching in denoise.
 
 The task picks the role: ``text-to-image`` (whole), ``t2i-encode``, ``t2i-denoise``, ``t2i-decode``. Each
-role loads only its components (:mod:`~omnimodel_runtime.engines.diffusers_families` says which and how
+role loads only its components (:mod:`~omnimodel_runtime.engines.t2i.families` says which and how
 the pipeline splits). What travels between stages:
 
 - encode → denoise: one ``TensorFrame`` with the prompt embeddings (and negative ones when classifier-
@@ -13,8 +13,8 @@ the pipeline splits). What travels between stages:
 bfloat16 has no numpy dtype: such tensors cross as their raw 16-bit patterns (int16), with the true
 dtype in ``meta["dtypes"]``, so nothing is rounded on the way.
 
-All model work runs on ONE worker thread fed by a queue; the event loop only validates, enqueues and
-relays frames the worker posts back with ``call_soon_threadsafe``.
+All model work runs on the engine's worker thread (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`);
+the event loop only validates, submits and relays the frames the worker posts back.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
-import queue
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -43,40 +40,27 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
-from pydantic import ValidationError
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.diffusers_families import Conditioning, Family, PipelineDefaults, family_for
-from omnimodel_runtime.engines.threads import set_exception, set_result
+from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.t2i.requests import ROLES, Announcements, Resolved, Role, resolve
+from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire, upstream_tensors
+from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams, params_from_mapping
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
     FinalFrame,
     ResponseFrame,
+    StageInput,
+    StageParams,
     StageRequest,
     TensorFrame,
     Usage,
 )
 
 log = logging.getLogger(__name__)
-
-
-class Role(enum.StrEnum):
-    WHOLE = "whole"
-    ENCODE = "encode"
-    DENOISE = "denoise"
-    DECODE = "decode"
-
-
-ROLES: Final[Mapping[str, Role]] = {
-    "text-to-image": Role.WHOLE,
-    "t2i-encode": Role.ENCODE,
-    "t2i-denoise": Role.DENOISE,
-    "t2i-decode": Role.DECODE,
-}
 
 # A diffusion request takes seconds; waiting a fraction of that for announced requests to join a batch
 # costs little, and only happens when some are actually on their way.
@@ -86,8 +70,6 @@ DEFAULT_MAX_BATCH: Final = 8
 
 LATENTS: Final = "latents"
 
-_STOP: Final = object()
-_WAKE: Final = object()
 
 # Loading builds modules on the meta device through process-global patches (accelerate's
 # ``init_empty_weights``), so two pipelines loading at once on different threads — the stages of
@@ -95,117 +77,21 @@ _WAKE: Final = object()
 _LOAD_LOCK: Final = threading.Lock()
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A request's parameters with every default filled in and checked against the model."""
+@dataclass(eq=False, kw_only=True)
+class _Job(Job):
+    """One request inside the worker; everything but ``cancelled`` is set before it is submitted or
+    belongs to the worker thread."""
 
-    n: int
-    width: int
-    height: int
-    steps: int
-    cfg: bool
-    true_cfg_scale: float
-    guidance_scale: float | None
-    negative_prompt: str | None
-    seed: int | None
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one denoise call."""
-        return (
-            self.width,
-            self.height,
-            self.steps,
-            self.cfg,
-            self.true_cfg_scale if self.cfg else None,
-            self.guidance_scale,
-        )
-
-    def seeds(self) -> list[int]:
-        base = self.seed if self.seed is not None else secrets.randbits(62)
-        return [base + i for i in range(self.n)]
-
-
-def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
-    """Validate ``request.params`` against the model; a bad value is a 400 naming the field."""
-    try:
-        params: TextToImageParams = params_from_mapping(request.params)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "params"
-        raise StageError(f"{loc}: {first['msg']}", status=400, param=loc) from None
-    width = params.width if params.width is not None else defaults.width
-    height = params.height if params.height is not None else defaults.height
-    if width % defaults.multiple or height % defaults.multiple:
-        raise StageError(
-            f"size must be a multiple of {defaults.multiple} pixels in each dimension for this model "
-            f"(got {width}x{height})",
-            status=400,
-            param="size",
-        )
-    true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else defaults.true_cfg_scale
-    # The pipeline's own rule: real classifier-free guidance needs a negative prompt and a scale above 1.
-    cfg = params.negative_prompt is not None and true_cfg > 1
-    guidance = None
-    if defaults.guidance_distilled:
-        guidance = params.guidance_scale if params.guidance_scale is not None else defaults.guidance_scale
-    return Resolved(
-        n=params.n,
-        width=width,
-        height=height,
-        steps=params.num_inference_steps or defaults.steps,
-        cfg=cfg,
-        true_cfg_scale=true_cfg,
-        guidance_scale=guidance,
-        negative_prompt=params.negative_prompt if cfg else None,
-        seed=params.seed,
-    )
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request inside the worker. ``cancelled`` is the only field the event loop writes after the
-    job is queued (a plain attribute store, atomic under the GIL)."""
-
-    request: StageRequest
     params: Resolved
-    out: asyncio.Queue[ResponseFrame]
     # Wire tensors from the upstream stage (denoise: embeddings; decode: latents).
     inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
     dtypes: Mapping[str, str] = field(default_factory=dict)
     announced: bool = False
-    cancelled: bool = False
     conditioning: Conditioning | None = None
     ready_at: float = 0.0
 
 
-class _Announcements:
-    """Requests announced to the batcher and not yet accepted by the worker, per batch key."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[tuple[Any, ...]] = Counter()
-
-    def add(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._counts[key] += 1
-
-    def remove(self, key: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._counts[key] -= 1
-            if self._counts[key] <= 0:
-                del self._counts[key]
-
-    def pending(self, key: tuple[Any, ...]) -> int:
-        with self._lock:
-            return self._counts.get(key, 0)
-
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
-
-
-class DiffusersImageEngine(Engine):
+class DiffusersImageEngine(WorkerEngine[_Job]):
     """``diffusers`` adapter for ``text-to-image`` and its three split tasks."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -218,15 +104,11 @@ class DiffusersImageEngine(Engine):
         self._dtype = torch.bfloat16 if dtype == "auto" else dtype
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._announced = _Announcements()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._announced = Announcements()
         self._pipe: Any = None
         self._family: Family | None = None
         self._defaults: PipelineDefaults | None = None
         self._ready: list[_Job] = []
-        self._outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]] = []
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -243,23 +125,16 @@ class DiffusersImageEngine(Engine):
             raise StageError("the engine is not running", status=503, type="service_unavailable")
         return self._defaults
 
-    # ------------------------------------------------------------------ life cycle (event loop side)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
+    # ------------------------------------------------------------------ event loop side
 
     async def warmup(self) -> None:
         """One smallest-size, two-step request through the role's whole code path (kernels, allocator)."""
         side = self.defaults.multiple
         # Two steps: with a terminal shift (Qwen-Image's scheduler) a one-step schedule divides by zero.
-        params = {"width": side, "height": side, "num_inference_steps": 2, "seed": 0}
-        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.", params=params)
+        image = TextToImageParams(width=side, height=side, num_inference_steps=2, seed=0)
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.", params=StageParams(image=image)
+        )
         upstream: AsyncIterator[Any] | None = None
         if self.role in (Role.DENOISE, Role.DECODE):
             tensors = await asyncio.to_thread(self._dummy_inputs, side)
@@ -267,16 +142,8 @@ class DiffusersImageEngine(Engine):
         async for _ in self.generate(StageInput(request=request, upstream=upstream)):
             pass
 
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
     def queue_depth(self) -> int:
-        return self._inbox.qsize() + len(self._ready)
+        return super().queue_depth() + len(self._ready)
 
     @property
     def announced(self) -> int:
@@ -284,13 +151,12 @@ class DiffusersImageEngine(Engine):
         return self._announced.total()
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        self.require_running()
         request = inp.request
         params = resolve(request, self.defaults)
         if self.role in (Role.WHOLE, Role.ENCODE) and not (request.prompt or "").strip():
             raise StageError("prompt must not be empty", status=400, param="prompt")
-        job = _Job(request=request, params=params, out=asyncio.Queue())
+        job = _Job(request=request, params=params)
         batched = self.role in (Role.WHOLE, Role.DENOISE)
         if batched:
             self._announced.add(params.key)
@@ -300,42 +166,26 @@ class DiffusersImageEngine(Engine):
             if self.role in (Role.DENOISE, Role.DECODE):
                 if inp.upstream is None:
                     raise StageError(f"the {self.role} stage needs an upstream stage", status=500)
-                job.inputs, job.dtypes = await _upstream_tensors(inp.upstream, self.role)
-            self._inbox.put(job)
+                job.inputs, job.dtypes = await upstream_tensors(inp.upstream, self.role)
+            self.submit(job)
             queued = True
-            while True:
-                frame = await job.out.get()
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
-                yield frame
-                if isinstance(frame, FinalFrame):
-                    return
+            async with contextlib.aclosing(self.relay(job)) as frames:
+                async for frame in frames:
+                    yield frame
         finally:
             job.cancelled = True
             if batched and not queued:
                 # Never reached the worker (the client left, the upstream failed): withdraw the
                 # announcement and wake a batch that may be waiting for it.
                 self._announced.remove(params.key)
-                self._inbox.put(_WAKE)
+                self.wake()
 
     # ------------------------------------------------------------------ worker thread
 
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            self._load()
-        except BaseException as err:
-            loop.call_soon_threadsafe(set_exception, loaded, err)
-            return
-        loop.call_soon_threadsafe(set_result, loaded)
-        with torch.inference_mode():
-            try:
-                self._serve()
-            finally:
-                self._flush()
+    def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-    def _load(self) -> None:
+    def load(self) -> None:
         # Progress bars are noise in pod logs.
         diffusers_logging.disable_progress_bar()
         hf_logging.disable_progress_bar()
@@ -367,38 +217,21 @@ class DiffusersImageEngine(Engine):
             return to_wire(self._family.dummy_conditioning(self._pipe).tensors)
         return to_wire({LATENTS: self._family.dummy_latents(self._pipe, side, side)})
 
-    def _emit(self, job: _Job, frame: ResponseFrame) -> None:
-        self._outbox.append((job.out, frame))
-
-    def _fail(self, job: _Job, err: BaseException) -> None:
-        if isinstance(err, StageError):
-            self._emit(job, ErrorFrame.from_error(err))
-        else:
-            log.exception("Request %s failed in stage %s", job.request.request_id, self.stage.name, exc_info=err)
-            self._emit(job, ErrorFrame(f"stage {self.stage.name!r} failed: {err}", status=500))
-
-    def _flush(self) -> None:
-        if not self._outbox or self._loop is None:
-            return
-        outbox, self._outbox = self._outbox, []
-        # The loop may already be closed during shutdown; nobody is listening then.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(_deliver, outbox)
-
-    def _serve(self) -> None:
+    def serve(self) -> None:
         while True:
-            self._flush()
+            self.flush()
+            if self.stopping:
+                for held in self._ready:
+                    self.refuse(held)
+                self._ready.clear()
+                return
             if not self._ready:
-                if self._accept(self._inbox.get()):
-                    return
+                if (job := self.take()) is not None:
+                    self._accept(job)
                 continue
-            while True:  # everything already queued joins the choice of the next batch
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if self._accept(item):
-                    return
+            # Everything already queued joins the choice of the next batch.
+            while (job := self.take(0)) is not None:
+                self._accept(job)
             self._drop_dead()
             if not self._ready:
                 continue
@@ -407,39 +240,19 @@ class DiffusersImageEngine(Engine):
             room = self._max_batch - sum(j.params.n for j in batch)
             remaining = first.ready_at + self._batch_wait - time.monotonic()
             if room > 0 and remaining > 0 and self._announced.pending(first.params.key) > 0:
-                self._flush()
-                try:
-                    item = self._inbox.get(timeout=remaining)
-                except queue.Empty:
-                    continue
-                if self._accept(item):
-                    return
+                self.flush()
+                if (late := self.take(remaining)) is not None:
+                    self._accept(late)
                 continue
             self._run_batch(batch)
 
-    def _accept(self, item: Any) -> bool:
-        """Take one inbox item; True when the engine is stopping."""
-        if item is _STOP:
-            # Everything still waiting, ready or queued behind the stop, is answered, not dropped.
-            waiting = list(self._ready)
-            while True:
-                try:
-                    queued = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(queued, _Job):
-                    waiting.append(queued)
-            for left in waiting:
-                self._emit(left, ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
-            self._ready.clear()
-            return True
-        if item is _WAKE:
-            return False
-        job: _Job = item
+    def _accept(self, job: _Job) -> None:
+        """Take one job from the inbox: encode and decode run at once, denoise (and whole) wait in
+        ``_ready`` for the choice of a batch."""
         if job.announced:
             self._announced.remove(job.params.key)
         if job.cancelled:
-            return False
+            return
         try:
             if self.role is Role.ENCODE:
                 self._encode(job)
@@ -452,18 +265,13 @@ class DiffusersImageEngine(Engine):
                 job.ready_at = time.monotonic()
                 self._ready.append(job)
         except Exception as err:
-            self._fail(job, err)
-        return False
+            self.fail(job, err)
 
     def _drop_dead(self) -> None:
         alive = []
         for job in self._ready:
-            if job.cancelled:
-                continue
-            if _expired(job):
-                self._emit(job, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
-                continue
-            alive.append(job)
+            if not job.cancelled and not self.drop_if_expired(job):
+                alive.append(job)
         self._ready = alive
 
     def _select(self) -> list[_Job]:
@@ -488,8 +296,8 @@ class DiffusersImageEngine(Engine):
     def _encode(self, job: _Job) -> None:
         conditioning = self._encode_conditioning(job)
         tensors, dtypes = to_wire(conditioning.tensors)
-        self._emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
-        self._emit(job, FinalFrame("stop", Usage(prompt_tokens=conditioning.prompt_tokens)))
+        self.emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
+        self.emit(job, FinalFrame("stop", Usage(prompt_tokens=conditioning.prompt_tokens)))
 
     def _conditioning(self, job: _Job) -> Conditioning:
         tensors = from_wire(job.inputs, job.dtypes, self._device)
@@ -509,7 +317,11 @@ class DiffusersImageEngine(Engine):
             latents = self._denoise(batch, params)
         except Exception as err:
             for job in batch:
-                self._fail(job, err)
+                self.fail(job, err)
+            return
+        if self.stopping:  # the denoise loop was cut short: its latents are no image
+            for job in batch:
+                self.refuse(job)
             return
         offset = 0
         for job in batch:
@@ -520,13 +332,13 @@ class DiffusersImageEngine(Engine):
             try:
                 if self.role is Role.DENOISE:
                     tensors, dtypes = to_wire({LATENTS: rows})
-                    self._emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
-                    self._emit(job, FinalFrame("stop"))
+                    self.emit(job, TensorFrame(tensors=tensors, meta={"dtypes": dtypes}))
+                    self.emit(job, FinalFrame("stop"))
                 else:
                     self._emit_images(job, self._family.decode(self._pipe, rows, params.height, params.width))
-                    self._flush()
+                    self.flush()
             except Exception as err:
-                self._fail(job, err)
+                self.fail(job, err)
 
     def _denoise(self, batch: list[_Job], params: Resolved) -> torch.Tensor:
         assert self._family is not None
@@ -538,7 +350,7 @@ class DiffusersImageEngine(Engine):
 
         def step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # Nobody is waiting for any image of this batch any more: skip the remaining steps.
-            if all(j.cancelled or _expired(j) for j in batch):
+            if self.stopping or all(j.cancelled or j.expired for j in batch):
                 pipe._interrupt = True
             return {}
 
@@ -555,8 +367,7 @@ class DiffusersImageEngine(Engine):
             callback_on_step_end=step_end,
         )
         for job in batch:
-            if _expired(job) and not job.cancelled:
-                self._emit(job, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
+            if not job.cancelled and self.drop_if_expired(job):
                 job.cancelled = True
         latents: torch.Tensor = result.images
         return latents
@@ -571,68 +382,12 @@ class DiffusersImageEngine(Engine):
         self._emit_images(job, self._family.decode(self._pipe, latents, job.params.height, job.params.width))
 
     def _emit_images(self, job: _Job, images: np.ndarray) -> None:
-        self._emit(job, TensorFrame(tensors={IMAGES_TENSOR: images}, meta={"modality": "image"}))
-        self._emit(
+        self.emit(job, TensorFrame(tensors={IMAGES_TENSOR: images}, meta={"modality": "image"}))
+        self.emit(
             job, FinalFrame("stop", Usage(prompt_tokens=job.conditioning.prompt_tokens if job.conditioning else 0))
         )
-
-
-# ---------------------------------------------------------------------- tensors on the wire
-
-
-def to_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """CPU numpy arrays for a ``TensorFrame``; bfloat16 as its raw bits (the dtype goes in ``meta``)."""
-    arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for name, tensor in tensors.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-            dtypes[name] = "bfloat16"
-        arrays[name] = t.numpy()
-    return arrays, dtypes
-
-
-def from_wire(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str], device: str) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_wire`, on ``device``. Copies: decoded frames are read-only views."""
-    out: dict[str, torch.Tensor] = {}
-    for name, array in arrays.items():
-        t = torch.from_numpy(np.array(array, copy=True))
-        if dtypes.get(name) == "bfloat16":
-            t = t.view(torch.bfloat16)
-        out[name] = t.to(device)
-    return out
-
-
-async def _upstream_tensors(
-    upstream: AsyncIterator[ResponseFrame], role: Role
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The tensors of the upstream stage's frames, once it has finished (its ``FinalFrame``)."""
-    tensors: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    async for frame in upstream:
-        if isinstance(frame, TensorFrame):
-            tensors.update(frame.tensors)
-            dtypes.update(frame.meta.get("dtypes") or {})
-        elif isinstance(frame, ErrorFrame):
-            raise frame.to_error()
-        elif isinstance(frame, FinalFrame):
-            break
-    if not tensors:
-        raise StageError(f"the {role} stage received no tensors from its upstream stage", status=502)
-    return tensors, dtypes
 
 
 async def _frames(*frames: ResponseFrame) -> AsyncIterator[ResponseFrame]:
     for frame in frames:
         yield frame
-
-
-def _expired(job: _Job) -> bool:
-    deadline = job.request.deadline
-    return deadline is not None and time.time() >= deadline
-
-
-def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
-    for queue_, frame in outbox:
-        queue_.put_nowait(frame)

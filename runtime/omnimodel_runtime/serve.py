@@ -1,4 +1,8 @@
-"""Build the gateway app for each deployment shape from a pipeline and settings."""
+"""The ``omnimodel serve`` process: the gateway app with every stage's engine in this same process.
+
+Stages are :class:`~omnimodel_runtime.stage.local.LocalStage` handles (frames pass in memory, no
+serialisation); the OpenAI routes are the gateway's own (:func:`~omnimodel_runtime.gateway.app.build_app`).
+"""
 
 from __future__ import annotations
 
@@ -10,23 +14,18 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from omnimodel_runtime.api import build_app
 from omnimodel_runtime.engines.registry import load_engine
+from omnimodel_runtime.gateway.app import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, PipelineError, get_preset, validation_problems
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import LocalStage, RemoteStage, StageHandle
-
-
-def build_gateway_app(settings: RuntimeSettings, pipeline: Pipeline) -> FastAPI:
-    """``omnimodel gateway``: every stage reached over HTTP at the endpoints in the pipeline file."""
-    handles: dict[str, StageHandle] = {s.name: RemoteStage(s, settings) for s in pipeline.stages}
-    return build_app(settings, pipeline, handles)
+from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.local import LocalStage
 
 
 def build_serve_app(settings: RuntimeSettings, pipeline: Pipeline) -> FastAPI:
-    """``omnimodel serve``: every stage in this process as a :class:`LocalStage` (frames pass in memory).
-    Stage metrics share the gateway's registry, so one ``/metrics`` shows both."""
+    """Every stage in this process as a :class:`LocalStage`. Stage metrics share the gateway's
+    registry, so one ``/metrics`` shows both."""
     registry = CollectorRegistry()
     family = StageMetricsFamily(registry)
     handles: dict[str, StageHandle] = {}

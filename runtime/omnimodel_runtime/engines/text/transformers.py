@@ -1,7 +1,7 @@
 """Causal-LM text generation on Hugging Face ``transformers`` with continuous batching.
 
-All model work runs on ONE worker thread fed by a thread-safe queue; the event loop only renders
-prompts, enqueues, and relays frames the worker posts back with ``call_soon_threadsafe``.
+All model work runs on the engine's worker thread (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`);
+the event loop only renders prompts, submits them, and relays the frames the worker posts back.
 
 The worker keeps one running batch: a left-padded KV cache (``DynamicCache``), a 2-D attention mask and
 per-row positions. Every iteration it
@@ -21,37 +21,32 @@ arrives later, and N concurrent requests cost roughly one forward pass per step 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import queue
 import secrets
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import Engine, EngineContext, StageInput
+from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.text import (
+from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
     render_prompt,
     resolve_sampling,
 )
-from omnimodel_runtime.engines.threads import set_exception, set_result
-from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.protocol.stage import (
-    ErrorFrame,
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
     StageRequest,
     TextFrame,
     Usage,
@@ -59,21 +54,15 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-_STOP: Final = object()
 
+@dataclass(eq=False, kw_only=True)
+class _Seq(Job):
+    """One request inside the worker; everything but ``cancelled`` belongs to the worker thread."""
 
-@dataclass(eq=False)
-class _Seq:
-    """One request inside the worker. Only ``cancelled`` is written from the event loop (a plain
-    attribute store, atomic under the GIL); everything else belongs to the worker thread."""
-
-    request: StageRequest
     prompt_ids: list[int]
     sampling: ResolvedSampling
-    out: asyncio.Queue[ResponseFrame]  # owned by the event loop; filled through _flush
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
-    cancelled: bool = False
     generated: int = 0
     last_token: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -87,7 +76,7 @@ class _Batch:
     next_pos: torch.Tensor  # (rows,), position id of each row's next input token
 
 
-class TransformersTextEngine(Engine):
+class TransformersTextEngine(WorkerEngine[_Seq]):
     """``transformers`` adapter for the ``text-generation`` task."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -98,9 +87,6 @@ class TransformersTextEngine(Engine):
         self._max_batch = int(args.get("max_batch_size", context.settings.max_batch_size))
         self._batch_wait = float(args.get("batch_wait", context.settings.batch_wait))
         self._max_model_len_arg = args.get("max_model_len")
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._model: Any = None
         # Two instances of the same tokenizer: the event loop renders prompts while the worker
         # detokenizes, and a Rust tokenizer shared across threads can fail with "Already borrowed".
@@ -109,20 +95,8 @@ class TransformersTextEngine(Engine):
         self._defaults = GenerationDefaults()
         self._max_model_len = 0
         self._pad_id = 0
-        # Frames produced during one worker step, handed to the event loop in one wake-up: each
-        # call_soon_threadsafe costs a self-pipe write and a GIL hand-over, per step, not per frame.
-        self._outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]] = []
 
-    # ------------------------------------------------------------------ life cycle (event loop side)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loaded: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._worker_main, args=(loaded,), name=f"engine-{self.stage.name}", daemon=True
-        )
-        self._thread.start()
-        await loaded
+    # ------------------------------------------------------------------ event loop side
 
     async def warmup(self) -> None:
         request = StageRequest(
@@ -133,30 +107,17 @@ class TransformersTextEngine(Engine):
         async for _ in self.generate(StageInput(request=request)):
             pass
 
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(_STOP)
-        await asyncio.to_thread(thread.join)
-        self._thread = None
-
-    def queue_depth(self) -> int:
-        return self._inbox.qsize()
-
     @property
     def max_model_len(self) -> int | None:
         return self._max_model_len or None
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        if self._thread is None or self._loop is None:
-            raise StageError("the engine is not running", status=503, type="service_unavailable")
+        self.require_running()
         request = inp.request
         prompt_ids = render_prompt(self._tokenizer, request)
         sampling = resolve_sampling(
             request, self._defaults, prompt_len=len(prompt_ids), max_model_len=self._max_model_len
         )
-        frames: asyncio.Queue[ResponseFrame] = asyncio.Queue()
         generator = None
         if not sampling.greedy:
             generator = torch.Generator()
@@ -165,50 +126,20 @@ class TransformersTextEngine(Engine):
             request=request,
             prompt_ids=prompt_ids,
             sampling=sampling,
-            out=frames,
             detok=IncrementalDetokenizer(self._detok_tokenizer, sampling.stop),
             generator=generator,
         )
-        self._inbox.put(seq)
-        held: ResponseFrame | None = None
-        try:
-            while True:
-                frame = held if held is not None else await frames.get()
-                held = None
-                # A consumer that fell behind (slow client, busy event loop) gets its backlog of text
-                # as one frame: one write downstream instead of one per token, as vLLM's output
-                # collector merges deltas.
-                while isinstance(frame, TextFrame) and not frames.empty():
-                    nxt = frames.get_nowait()
-                    if isinstance(nxt, TextFrame):
-                        frame = TextFrame(frame.text + nxt.text, frame.token_ids + nxt.token_ids)
-                    else:
-                        held = nxt
-                        break
-                if isinstance(frame, ErrorFrame):
-                    raise frame.to_error()
+        # Closed explicitly, so that a caller going away cancels the row at once (not at garbage collection).
+        async with contextlib.aclosing(self.stream(seq, merge_text=True)) as frames:
+            async for frame in frames:
                 yield frame
-                if isinstance(frame, FinalFrame):
-                    return
-        finally:
-            # The caller went away (or we finished): the worker drops the row at its next step.
-            seq.cancelled = True
 
     # ------------------------------------------------------------------ worker thread
 
-    def _worker_main(self, loaded: asyncio.Future[None]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            self._load()
-        except BaseException as err:
-            loop.call_soon_threadsafe(set_exception, loaded, err)
-            return
-        loop.call_soon_threadsafe(set_result, loaded)
-        with torch.inference_mode():
-            self._serve()
+    def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-    def _load(self) -> None:
+    def load(self) -> None:
         model_dir = self.context.model_dir
         # Progress bars are noise in pod logs.
         hf_logging.disable_progress_bar()
@@ -225,79 +156,28 @@ class TransformersTextEngine(Engine):
         self._pad_id = int(pad)
         log.info("Loaded %s on %s (%s) for stage %s", model_dir, self._device, self._dtype, self.stage.name)
 
-    def _emit(self, seq: _Seq, frame: ResponseFrame) -> None:
-        self._outbox.append((seq.out, frame))
-
-    def _flush(self) -> None:
-        if not self._outbox or self._loop is None:
-            return
-        outbox, self._outbox = self._outbox, []
-        # The loop may already be closed during shutdown; nobody is listening then.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(_deliver, outbox)
-
-    def _serve(self) -> None:
-        try:
-            self._serve_loop()
-        finally:
-            self._flush()
-
-    def _serve_loop(self) -> None:
+    def serve(self) -> None:
         batch: _Batch | None = None
         while True:
-            self._flush()
+            self.flush()
             room = self._max_batch - (len(batch.rows) if batch else 0)
-            new, stopping = self._take_new(idle=batch is None, room=room)
-            new = [s for s in new if not s.cancelled]
-            if stopping:
+            # Idle: wait for a request, then up to batch_wait for a burst to start as one batch.
+            idle = batch is None
+            new = self.gather(room, block=idle, wait=self._batch_wait if idle else 0.0)
+            if self.stopping:
                 for seq in [*new, *(batch.rows if batch else [])]:
-                    self._emit(seq, ErrorFrame("the engine is shutting down", status=503, type="service_unavailable"))
+                    self.refuse(seq)
                 return
+            new = [s for s in new if not s.cancelled]
             try:
                 if new:
                     batch = self._prefill(new, batch)
                 if batch is not None:
                     batch = self._decode(batch)
             except Exception as err:  # a failed forward pass fails its batch, not the engine
-                log.exception("Generation step failed for stage %s", self.stage.name)
                 for seq in [*new, *(batch.rows if batch else [])]:
-                    self._emit(seq, ErrorFrame(f"generation failed: {err}", status=500))
+                    self.fail(seq, err)
                 batch = None
-
-    def _take_new(self, *, idle: bool, room: int) -> tuple[list[_Seq], bool]:
-        """Up to ``room`` new requests for this step: when idle, block for one, then gather a burst."""
-        new: list[_Seq] = []
-        if idle:
-            item = self._inbox.get()
-            if item is _STOP:
-                return new, True
-            new.append(item)
-            deadline = time.monotonic() + self._batch_wait
-            while len(new) < room:
-                timeout = deadline - time.monotonic()
-                try:
-                    item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    return new, True
-                new.append(item)
-            return new, False
-        return self._drain(room), False
-
-    def _drain(self, room: int) -> list[_Seq]:
-        new: list[_Seq] = []
-        while len(new) < room:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                # Put it back so the next (idle or not) pass sees it after this step's work.
-                self._inbox.put(_STOP)
-                break
-            new.append(item)
-        return new
 
     def _prefill(self, new: list[_Seq], batch: _Batch | None) -> _Batch | None:
         width = max(len(s.prompt_ids) for s in new)
@@ -326,7 +206,7 @@ class TransformersTextEngine(Engine):
         return self._retire(merged, {offset + i for i in finished})
 
     def _decode(self, batch: _Batch) -> _Batch | None:
-        gone = {i for i, s in enumerate(batch.rows) if s.cancelled or self._expired(s)}
+        gone = {i for i, s in enumerate(batch.rows) if s.cancelled or self.drop_if_expired(s)}
         if gone:
             retired = self._retire(batch, gone)
             if retired is None:
@@ -346,13 +226,6 @@ class TransformersTextEngine(Engine):
         self.context.metrics.observe_batch(len(batch.rows))
         tokens = self._sample(out.logits[:, -1, :], batch.rows)
         return self._retire(batch, set(self._advance(batch.rows, tokens)))
-
-    def _expired(self, seq: _Seq) -> bool:
-        deadline = seq.request.deadline
-        if deadline is None or time.time() < deadline:
-            return False
-        self._emit(seq, ErrorFrame("the request ran past its deadline", status=504, type="timeout"))
-        return True
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[_Seq]) -> list[int]:
         greedy = logits.argmax(dim=-1).tolist()
@@ -400,12 +273,12 @@ class TransformersTextEngine(Engine):
                     reason = "length"
                     text += seq.detok.flush()
             if seq.request.stream:
-                self._emit(seq, TextFrame(text=text, token_ids=(token,)))
+                self.emit(seq, TextFrame(text=text, token_ids=(token,)))
             elif reason is not None:
                 # Not streamed: the whole answer in one frame.
-                self._emit(seq, TextFrame(text=seq.detok.text, token_ids=tuple(seq.tokens)))
+                self.emit(seq, TextFrame(text=seq.detok.text, token_ids=tuple(seq.tokens)))
             if reason is not None:
-                self._emit(seq, FinalFrame(reason, Usage(len(seq.prompt_ids), seq.generated)))
+                self.emit(seq, FinalFrame(reason, Usage(len(seq.prompt_ids), seq.generated)))
                 finished.append(i)
         self.context.metrics.add_generated_tokens(produced)
         return finished
@@ -472,8 +345,3 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     if n == 0:
         return t
     return torch.nn.functional.pad(t, (0, 0, n, 0))
-
-
-def _deliver(outbox: list[tuple[asyncio.Queue[ResponseFrame], ResponseFrame]]) -> None:
-    for queue_, frame in outbox:
-        queue_.put_nowait(frame)

@@ -3,7 +3,7 @@
 ``Qwen2_5OmniToken2WavModel`` = a DiT (flow matching, RK4 over 10 time points, classifier-free guidance)
 that turns codes into mel frames (2 per code), then BigVGAN (240 samples per mel frame). Two ways to run it:
 
-- **Whole** (``params["audio_chunked"]`` false; non-streamed requests): wait for every code, draw the
+- **Whole** (``params.audio_chunked`` false; non-streamed requests): wait for every code, draw the
   initial noise from the talker's final random state and run the DiT and BigVGAN once — the whole model's
   ``generate()`` waveform, bit for bit. This is the reference path.
 - **Chunked** (streamed requests): start as soon as a chunk of codes plus look-ahead has arrived, so the
@@ -20,7 +20,8 @@ Both paths use :func:`sample_mel`, which is the DiT's own ``sample()`` with the 
 Speech requests (``/v1/audio/speech``) have no whole-model waveform to reproduce, so both paths draw the
 noise from the position-consistent sequence (:class:`PagedNoise`): the whole file and the stream then
 differ only by the chunking error. Their ``speed`` time-stretches the DiT's mel before BigVGAN (linear
-interpolation, pitch unchanged; the ``tts`` preset's :class:`TimeStretch`, exact in chunks).
+interpolation, pitch unchanged; the :class:`~omnimodel_runtime.engines.audio.TimeStretch` the ``tts`` preset uses
+too, exact in chunks).
 """
 
 from __future__ import annotations
@@ -34,30 +35,25 @@ import torch
 from transformers import Qwen2_5OmniToken2WavModel
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
+from omnimodel_runtime.engines.omni.common import (
     AUDIO_META,
     CODES_KIND,
     RNG_KIND,
     SAMPLE_RATE,
-    Job,
-    OmniEngine,
     Speakers,
     generation_overrides,
     load_config,
     load_prefixed,
     quiet_transformers,
     request_seed,
-    request_voice,
-    speaks,
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.speech_common import MAX_SPEED, MIN_SPEED, TimeStretch
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, StageRequest, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import FinalFrame, StageInput, StageParams, StageRequest, TensorFrame, Usage
 
-CHUNKED_PARAM = "audio_chunked"
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
@@ -180,7 +176,7 @@ class OmniCode2WavEngine(OmniEngine):
         assert self._speakers is not None, "the engine is not loaded"
         return self._speakers
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         with quiet_transformers():
@@ -198,31 +194,28 @@ class OmniCode2WavEngine(OmniEngine):
             yield tensor_frame(CODES_KIND, {"codes": np.zeros(2, dtype=np.int64)})
             yield FinalFrame("stop")
 
-        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params={CHUNKED_PARAM: False})
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(audio_chunked=False)
+        )
         async for _ in self.generate(StageInput(request=request, upstream=upstream())):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
             raise StageError("code2wav takes its input from the talker stage", status=400)
         assert self._speakers is not None
         request = inp.request
-        voice = self._speakers.resolve(request_voice(request), param=voice_param(request))
+        voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
         speaker = self._speakers[voice]
         job.data["cond"] = speaker["cond"].float().to(self.device).reshape(1, -1)
         job.data["ref_mel"] = speaker["ref_mel"].float().to(self.device)
-        job.data["chunked"] = bool(request.params.get(CHUNKED_PARAM, request.stream))
+        chunked = request.params.audio_chunked
+        job.data["chunked"] = request.stream if chunked is None else chunked
         job.data["seed"] = request_seed(request)
-        job.data["paged_noise"] = speaks(request)
-        try:
-            speed = float(request.params.get("speed", 1.0))
-        except (TypeError, ValueError):
-            raise StageError("speed must be a number", status=400, param="speed") from None
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise StageError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}", status=400, param="speed")
-        job.data["speed"] = speed
+        job.data["paged_noise"] = request.params.speak
+        job.data["speed"] = checked_speed(request.params.speed)
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         if job.data["chunked"]:
             self._run_chunked(job)
         else:
@@ -230,7 +223,7 @@ class OmniCode2WavEngine(OmniEngine):
 
     # ------------------------------------------------------------ whole (exact) path
 
-    def _run_whole(self, job: Job) -> None:
+    def _run_whole(self, job: OmniJob) -> None:
         codes: list[int] = []
         rng: TensorFrame | None = None
         for frame in job.upstream():
@@ -258,13 +251,13 @@ class OmniCode2WavEngine(OmniEngine):
             self._emit_audio(job, self.model.code2wav_bigvgan_model(mel))
         job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
 
-    def _paged_noise(self, job: Job) -> PagedNoise:
+    def _paged_noise(self, job: OmniJob) -> PagedNoise:
         assert self._plan is not None
         dit = self.model.code2wav_dit_model
         return PagedNoise(job.data["seed"], self._plan.block * int(dit.repeats), int(dit.mel_dim), self.device)
 
     @staticmethod
-    def _stretch(job: Job) -> TimeStretch | None:
+    def _stretch(job: OmniJob) -> TimeStretch | None:
         speed: float = job.data["speed"]
         return None if speed == 1.0 else TimeStretch(speed)
 
@@ -273,7 +266,7 @@ class OmniCode2WavEngine(OmniEngine):
         frames = stretch.push(mel[0].transpose(0, 1).to("cpu").numpy(), final=final)
         return torch.from_numpy(np.ascontiguousarray(frames.T)).unsqueeze(0).to(self.device)
 
-    def _noise_generator(self, job: Job, rng: TensorFrame | None) -> torch.Generator:
+    def _noise_generator(self, job: OmniJob, rng: TensorFrame | None) -> torch.Generator:
         """The whole model draws the DiT's noise right after the talker's last sample: continue the
         talker's stream when it ran on this device type; else (or without it) a stream from the seed."""
         gen = torch.Generator(device=self.device)
@@ -285,7 +278,7 @@ class OmniCode2WavEngine(OmniEngine):
 
     # ------------------------------------------------------------ chunked (streaming) path
 
-    def _run_chunked(self, job: Job) -> None:
+    def _run_chunked(self, job: OmniJob) -> None:
         assert self._plan is not None
         plan = self._plan
         dit, vocoder = self.model.code2wav_dit_model, self.model.code2wav_bigvgan_model
@@ -338,7 +331,7 @@ class OmniCode2WavEngine(OmniEngine):
                 break
         job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
 
-    def _emit_audio(self, job: Job, waveform: torch.Tensor) -> None:
+    def _emit_audio(self, job: OmniJob, waveform: torch.Tensor) -> None:
         samples = waveform.detach().reshape(-1).float().to("cpu").numpy()
         if samples.size:
             job.emit(TensorFrame({"audio": samples}, meta={**AUDIO_META, "sample_rate": SAMPLE_RATE}))

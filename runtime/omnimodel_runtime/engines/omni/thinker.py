@@ -38,25 +38,20 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
-    Job,
-    OmniEngine,
     RngTurn,
     Speakers,
     load_config,
     load_part,
     quiet_transformers,
-    request_voice,
     rows_to_wire,
-    speaks,
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.speech_common import QUERY_VOICES
-from omnimodel_runtime.engines.text import (
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
@@ -64,10 +59,14 @@ from omnimodel_runtime.engines.text import (
     resolve_sampling,
 )
 from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.stage import (
+    QUERY_VOICES,
     FinalFrame,
     ResponseFrame,
     SamplingParams,
+    StageInput,
+    StageParams,
     StageRequest,
     TensorFrame,
     TextFrame,
@@ -76,9 +75,6 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-# Stage-request parameter: token ids the thinker teacher-forces as its reply instead of sampling one
-# (after the prompt given as usual). Speech requests get theirs from the input text.
-REPLY_IDS_PARAM: Final = "reply_ids"
 # The released model's default system prompt. Its model card: audio output works as expected only with
 # this system prompt, so a speech request is framed by it too.
 SPEECH_SYSTEM_PROMPT: Final = (
@@ -94,18 +90,19 @@ _TEXT_MARK: Final = "\x00omnimodel-speech-input\x00"
 
 def wants_audio(request: StageRequest) -> bool:
     """Whether this request continues into the talker (the gateway says so in ``params``)."""
-    return speaks(request) or "audio" in (request.params.get("modalities") or ())
+    return request.params.speak or Modality.AUDIO in request.params.modalities
 
 
 def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[int] | None:
-    given = request.params.get(REPLY_IDS_PARAM)
+    """The reply to teacher-force when the request gives one (speech requests get theirs from their text)."""
+    given = request.params.reply_ids
     if given is None:
         return None
-    if not isinstance(given, list | tuple) or not all(isinstance(t, int) and 0 <= t < vocab for t in given):
-        raise StageError(f"{REPLY_IDS_PARAM} must be a list of token ids below {vocab}", status=400)
+    if not all(0 <= t < vocab for t in given):
+        raise StageError(f"reply_ids must be a list of token ids below {vocab}", status=400)
     if eos.intersection(given):
         # generate() would stop at it: the reply would end early and silently.
-        raise StageError(f"{REPLY_IDS_PARAM} must not contain end-of-sequence tokens", status=400)
+        raise StageError("reply_ids must not contain end-of-sequence tokens", status=400)
     return list(given)
 
 
@@ -145,7 +142,7 @@ class OmniThinkerEngine(OmniEngine):
     def max_model_len(self) -> int | None:
         return self._max_model_len or None
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         self.model = load_part(
@@ -205,7 +202,7 @@ class OmniThinkerEngine(OmniEngine):
         return [*head, *reply, *tail], reply
 
     def query(self, request: StageRequest) -> list[ResponseFrame] | None:
-        if request.params.get("query") != QUERY_VOICES:
+        if request.params.query != QUERY_VOICES:
             return None
         if self._speakers is None:
             return [FinalFrame("stop")]  # no voices: the speech route says so
@@ -217,15 +214,15 @@ class OmniThinkerEngine(OmniEngine):
             request_id=f"warmup-{secrets.token_hex(4)}",
             prompt="Warm up.",
             sampling=SamplingParams(max_tokens=2, temperature=0.0),
-            params={"modalities": ["text", "audio"]} if self._speakers is not None else {},
+            params=StageParams(modalities=(Modality.TEXT, Modality.AUDIO) if self._speakers is not None else ()),
         )
         async for _ in self.generate(StageInput(request=request)):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
         reply: list[int] | None
-        if speaks(request):
+        if request.params.speak:
             text = request.prompt or ""
             if not text.strip():
                 raise StageError("input must contain text to speak", status=400, param="input")
@@ -257,10 +254,10 @@ class OmniThinkerEngine(OmniEngine):
         if job.data["audio"]:
             if self._speakers is None:
                 raise StageError("this checkpoint has no audio output (no talker)", status=400, param="modalities")
-            voice = self._speakers.resolve(request_voice(request), param=voice_param(request))
+            voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
             job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         prompt_ids: list[int] = job.data["prompt_ids"]
         sampling: ResolvedSampling = job.data["sampling"]
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
@@ -321,7 +318,9 @@ class OmniThinkerEngine(OmniEngine):
 class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
     """Called by ``generate()`` right after each token is drawn: streams it and decides whether to stop."""
 
-    def __init__(self, engine: OmniThinkerEngine, job: Job, sampling: ResolvedSampling, turn: RngTurn | None) -> None:
+    def __init__(
+        self, engine: OmniThinkerEngine, job: OmniJob, sampling: ResolvedSampling, turn: RngTurn | None
+    ) -> None:
         self.engine = engine
         self.job = job
         self.sampling = sampling
@@ -389,7 +388,7 @@ class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped 
 class _RowHook:
     """Forward hook on the thinker's text model: turns each step into talker rows."""
 
-    def __init__(self, engine: OmniThinkerEngine, job: Job, stream: _Stream) -> None:
+    def __init__(self, engine: OmniThinkerEngine, job: OmniJob, stream: _Stream) -> None:
         self.engine = engine
         self.job = job
         self.stream = stream

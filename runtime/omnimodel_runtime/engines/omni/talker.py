@@ -7,7 +7,7 @@ pre-hook supplies each decode step with the row it consumes (the talker uses row
 text-end row, then the text-pad row for as long as it keeps speaking), waiting for it if the thinker has
 not produced it yet. So the talker starts on the thinker's first token and the two run side by side.
 
-Sampling uses the request's own random stream (:class:`~omnimodel_runtime.engines.omni_common.RngTurn`,
+Sampling uses the request's own random stream (:class:`~omnimodel_runtime.engines.omni.common.RngTurn`,
 seeded like the whole model: ``torch.manual_seed(seed)`` before ``generate()``); its final state goes to
 code2wav, whose diffusion noise continues the same stream, as it does in the whole model.
 """
@@ -22,14 +22,11 @@ import numpy as np
 import torch
 from transformers import Qwen2_5OmniTalkerForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
 
-from omnimodel_runtime.engines.base import StageInput
-from omnimodel_runtime.engines.omni_common import (
+from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
-    Job,
-    OmniEngine,
     RngTurn,
     generation_overrides,
     load_config,
@@ -38,8 +35,17 @@ from omnimodel_runtime.engines.omni_common import (
     rows_from_wire,
     tensor_frame,
 )
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageRequest, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+    Usage,
+)
 
 # The whole model's generate() defaults for its talker (eos/pad come from the talker config).
 TALKER_DEFAULTS: dict[str, Any] = {
@@ -50,8 +56,6 @@ TALKER_DEFAULTS: dict[str, Any] = {
     "temperature": 0.9,
     "repetition_penalty": 1.05,
 }
-# Internal request parameter (warm-up, benchmarks): a lower cap on codes for this request.
-MAX_CODES_PARAM = "talker_max_new_tokens"
 
 
 class OmniTalkerEngine(OmniEngine):
@@ -63,7 +67,7 @@ class OmniTalkerEngine(OmniEngine):
         self._generation: dict[str, Any] = dict(TALKER_DEFAULTS)
         self._eos: list[int] = []
 
-    def load(self) -> None:
+    def load_part(self) -> None:
         model_dir = self.context.model_dir
         config = load_config(model_dir)
         self.model = load_part(
@@ -99,16 +103,18 @@ class OmniTalkerEngine(OmniEngine):
             yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
             yield FinalFrame("stop")
 
-        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params={MAX_CODES_PARAM: 2})
+        request = StageRequest(
+            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
+        )
         async for _ in self.generate(StageInput(request=request, upstream=upstream())):
             pass
 
-    def prepare(self, inp: StageInput, job: Job) -> None:
+    def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
             raise StageError("the talker takes its input from the thinker stage", status=400)
         job.data["seed"] = request_seed(inp.request)
 
-    def run(self, job: Job) -> None:
+    def run(self, job: OmniJob) -> None:
         frames = job.upstream()
         prompt, first = _head(frames)
         turn = RngTurn(self.device, job.data["seed"])
@@ -147,9 +153,9 @@ class OmniTalkerEngine(OmniEngine):
             return args, kwargs
 
         generation = dict(self._generation)
-        cap = job.request.params.get(MAX_CODES_PARAM)
+        cap = job.request.params.talker_max_new_tokens
         if cap is not None:
-            generation["max_new_tokens"] = min(int(cap), int(generation["max_new_tokens"]))
+            generation["max_new_tokens"] = min(cap, int(generation["max_new_tokens"]))
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )
@@ -177,7 +183,7 @@ class OmniTalkerEngine(OmniEngine):
             turn.end()
         self._finish(job, turn, codes=criterion.count, prompt_len=n + 2, reason=criterion.reason)
 
-    def _finish(self, job: Job, turn: RngTurn, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
+    def _finish(self, job: OmniJob, turn: RngTurn, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
         state = turn.state.to("cpu").numpy()
         job.emit(tensor_frame(RNG_KIND, {"rng_state": state}, device=torch.device(self.device).type))
         job.emit(FinalFrame(reason, Usage(prompt_tokens=prompt_len, completion_tokens=codes)))
@@ -227,7 +233,7 @@ class _ReplyRows:
 class _Codes(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
     """Streams each sampled code to code2wav and ends the request's turn on the global generator."""
 
-    def __init__(self, engine: OmniTalkerEngine, job: Job, turn: RngTurn, *, eos: set[int], limit: int) -> None:
+    def __init__(self, engine: OmniTalkerEngine, job: OmniJob, turn: RngTurn, *, eos: set[int], limit: int) -> None:
         self.engine = engine
         self.job = job
         self.turn = turn

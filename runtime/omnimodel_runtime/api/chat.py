@@ -1,0 +1,38 @@
+"""``POST /v1/chat/completions``: text (and, with ``modalities`` holding audio, speech too) from a chat
+pipeline, or images from an image pipeline (:data:`image_router`); the gateway mounts the one its
+pipeline answers with."""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from omnimodel_runtime.api.auth import require_key
+from omnimodel_runtime.api.responses import respond, until_disconnect
+from omnimodel_runtime.api.state import APIState, api_state
+from omnimodel_runtime.protocol.images import ImageChatCompletionRequest
+from omnimodel_runtime.protocol.openai import ChatCompletionRequest
+from omnimodel_runtime.serving.chat_audio import wants_audio
+
+PATH: Final = "/v1/chat/completions"
+
+router = APIRouter(dependencies=[Depends(require_key)])
+image_router = APIRouter(dependencies=[Depends(require_key)])
+
+
+@router.post(PATH)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
+) -> Response:
+    # Audio runs the whole stage chain; everything else stays on the single-stage text path.
+    service = api.chat_audio if wants_audio(body) else api.chat
+    return respond(await until_disconnect(request, service.create(body)))
+
+
+@image_router.post(PATH)
+async def image_chat_completions(
+    body: ImageChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
+) -> Response:
+    return respond(await until_disconnect(request, api.images.chat(body)))

@@ -1,0 +1,50 @@
+"""What the routes reach through the app: the services of this gateway and its API key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from omnimodel_runtime.pipeline import Pipeline
+from omnimodel_runtime.serving.chat_audio import ChatAudioService
+from omnimodel_runtime.serving.images import ImageService
+from omnimodel_runtime.serving.orchestrator import Orchestrator
+from omnimodel_runtime.serving.speech import SpeechService
+from omnimodel_runtime.serving.text import ChatService, CompletionService
+
+
+@dataclass(frozen=True)
+class APIState:
+    """One gateway's services, built by :func:`~omnimodel_runtime.gateway.app.build_app` and kept on
+    ``app.state.api``; routes get it through the :func:`api_state` dependency."""
+
+    pipeline: Pipeline
+    orchestrator: Orchestrator
+    chat: ChatService
+    chat_audio: ChatAudioService
+    completions: CompletionService
+    images: ImageService
+    speech: SpeechService
+    # Clients must send ``Authorization: Bearer <key>`` when set.
+    api_key: str | None
+
+    @classmethod
+    def create(cls, orchestrator: Orchestrator, *, request_timeout: float, api_key: str | None) -> APIState:
+        chat = ChatService(orchestrator, request_timeout=request_timeout)
+        return cls(
+            pipeline=orchestrator.pipeline,
+            orchestrator=orchestrator,
+            chat=chat,
+            chat_audio=ChatAudioService(chat),
+            completions=CompletionService(orchestrator, request_timeout=request_timeout),
+            images=ImageService(orchestrator, request_timeout=request_timeout),
+            speech=SpeechService(orchestrator, request_timeout=request_timeout),
+            api_key=api_key,
+        )
+
+
+def api_state(request: Request) -> APIState:
+    """The dependency that hands a route its gateway's services."""
+    state: APIState = request.app.state.api
+    return state

@@ -1,0 +1,153 @@
+"""``omnimodel bench``: latency, TTFT and throughput through gateway + stage, against the engine called
+directly on the same prompts in the same run; one module per mode (``chat``, ``speech``, ``omni``,
+``images``), what they share in ``common``.
+
+Without ``--url`` it deploys the preset itself as separate processes (``omnimodel stage`` and
+``omnimodel gateway`` from one pipeline file, on loopback ports), so every measured request crosses both
+HTTP hops exactly as in a cluster. The direct baseline loads the same engine in this process. Overhead
+is measured sequentially and interleaved (direct, gateway, direct, ...) so both see the same machine
+state; throughput is measured at concurrency N and at 1 through the gateway, and the same for the
+direct engine (its ratio is the engine's batching factor).
+"""
+
+# Imports sit inside functions on purpose: each mode pulls in only what it needs.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omnimodel_runtime.bench import chat as chat_mode
+from omnimodel_runtime.bench import images as images_mode
+from omnimodel_runtime.bench import omni as omni_mode
+from omnimodel_runtime.bench import speech as speech_mode
+from omnimodel_runtime.bench.common import deployment, serve_process
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``omnimodel bench`` (kept here so the CLI module stays small)."""
+    p.add_argument("--url", default=None, help="gateway to drive (default: deploy stage + gateway locally)")
+    p.add_argument("--preset", default="text")
+    p.add_argument("--model", default="tiny://text")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "diffusers"])
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency run")
+    p.add_argument("--rounds", type=int, default=3, help="sequential interleaved rounds over the prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-direct", action="store_true", help="skip the in-process engine baseline")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout only)")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--mode",
+        default="auto",
+        choices=["auto", "chat", "speech", "omni", "images"],
+        help=(
+            "what to measure (auto: images for presets serving /v1/images/generations, speech for presets "
+            "serving /v1/audio/speech only, omni for chat presets with audio output, else chat)"
+        ),
+    )
+    images = p.add_argument_group("images mode")
+    images.add_argument("--size", default="512x512", help="image size WIDTHxHEIGHT")
+    images.add_argument("--steps", type=int, default=20, help="denoising steps")
+    images.add_argument("--negative-prompt", default=None, help="turns classifier-free guidance on")
+    images.add_argument("--true-cfg-scale", type=float, default=4.0, help="guidance scale with --negative-prompt")
+    images.add_argument(
+        "--image-concurrency",
+        type=lambda v: sorted({int(c) for c in v.split(",")}),
+        default=[1, 4, 8],
+        help="comma-separated concurrency levels (default 1,4,8)",
+    )
+    images.add_argument(
+        "--image-requests", type=int, default=8, help="requests per concurrency level (at least 2 per client)"
+    )
+    images.add_argument("--overhead-prompts", type=int, default=4, help="prompts per overhead round")
+
+
+def _accelerator_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print the JSON and write it to ``--out``."""
+    from importlib.metadata import version
+
+    meta: dict[str, Any] = {
+        "command": "omnimodel bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "omnimodel bench",
+        "preset": args.preset,
+        "model": args.model,
+        "engine": args.engine,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "topology": "external gateway" if args.url else "gateway process -> stage process (loopback HTTP)",
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": version("torch"),
+            "accelerator": _accelerator_name(),
+            "platform": platform.platform(),
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    images = images_mode.selected(args)
+    speech = not images and speech_mode.selected(args)
+    omni = not images and omni_mode.selected(args)
+    if images:
+        width, height = images_mode.image_size(args)
+        for key in ("max_tokens", "concurrency", "requests"):
+            meta.pop(key)
+        meta.update(
+            mode="images",
+            engine="diffusers",
+            size=f"{width}x{height}",
+            steps=args.steps,
+            negative_prompt=args.negative_prompt,
+            true_cfg_scale=args.true_cfg_scale if args.negative_prompt is not None else None,
+            image_concurrency=args.image_concurrency,
+            image_requests=args.image_requests,
+            topology="gateway process -> one process per stage (loopback HTTP)",
+        )
+    if omni:
+        meta.update(mode="omni", topology="omnimodel serve (one process) vs gateway + one process per stage")
+    if speech:
+        meta.update(mode="speech", topology="gateway process -> one process per stage (loopback HTTP)")
+        meta.pop("max_tokens")
+    with tempfile.TemporaryDirectory(prefix="omnimodel-bench-") as tmp, contextlib.ExitStack() as stack:
+        if images:
+            args.engine = "diffusers"
+            url = args.url or stack.enter_context(deployment(args, Path(tmp)))
+            results = asyncio.run(images_mode.measure(args, url))
+        elif omni:
+            # Both deployments side by side in one run, measured interleaved on the same prompts.
+            urls = {
+                "in_process": stack.enter_context(serve_process(args, Path(tmp))),
+                "three_processes": stack.enter_context(deployment(args, Path(tmp))),
+            }
+            results = asyncio.run(omni_mode.measure(args, urls))
+        elif speech:
+            url = args.url or stack.enter_context(deployment(args, Path(tmp)))
+            results = asyncio.run(speech_mode.measure(args, url))
+        else:
+            url = args.url or stack.enter_context(deployment(args, Path(tmp), single_stage=True))
+            results = asyncio.run(chat_mode.measure(args, url))
+    report = {"meta": meta, "results": results}
+    text = json.dumps(report, indent=2) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0

@@ -1,0 +1,121 @@
+"""What a text-to-image request asks of a stage (its role's task, its parameters resolved against the
+model) and the bookkeeping that lets requests with the same shape share one denoise call."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from omnimodel_runtime.engines.t2i.families import PipelineDefaults
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.stage import StageRequest
+
+
+class Role(enum.StrEnum):
+    WHOLE = "whole"
+    ENCODE = "encode"
+    DENOISE = "denoise"
+    DECODE = "decode"
+
+
+ROLES: Final[Mapping[str, Role]] = {
+    "text-to-image": Role.WHOLE,
+    "t2i-encode": Role.ENCODE,
+    "t2i-denoise": Role.DENOISE,
+    "t2i-decode": Role.DECODE,
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request's parameters with every default filled in and checked against the model."""
+
+    n: int
+    width: int
+    height: int
+    steps: int
+    cfg: bool
+    true_cfg_scale: float
+    guidance_scale: float | None
+    negative_prompt: str | None
+    seed: int | None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share one denoise call."""
+        return (
+            self.width,
+            self.height,
+            self.steps,
+            self.cfg,
+            self.true_cfg_scale if self.cfg else None,
+            self.guidance_scale,
+        )
+
+    def seeds(self) -> list[int]:
+        base = self.seed if self.seed is not None else secrets.randbits(62)
+        return [base + i for i in range(self.n)]
+
+
+def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
+    """Fill ``request.params.image`` from the model's defaults and check it against the model (its size
+    rule); a bad value is a 400 naming the field. The parameters' own bounds were checked when the
+    request was built (or decoded from the wire)."""
+    params = request.params.image
+    width = params.width if params.width is not None else defaults.width
+    height = params.height if params.height is not None else defaults.height
+    if width % defaults.multiple or height % defaults.multiple:
+        raise StageError(
+            f"size must be a multiple of {defaults.multiple} pixels in each dimension for this model "
+            f"(got {width}x{height})",
+            status=400,
+            param="size",
+        )
+    true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else defaults.true_cfg_scale
+    # The pipeline's own rule: real classifier-free guidance needs a negative prompt and a scale above 1.
+    cfg = params.negative_prompt is not None and true_cfg > 1
+    guidance = None
+    if defaults.guidance_distilled:
+        guidance = params.guidance_scale if params.guidance_scale is not None else defaults.guidance_scale
+    return Resolved(
+        n=params.n,
+        width=width,
+        height=height,
+        steps=params.num_inference_steps or defaults.steps,
+        cfg=cfg,
+        true_cfg_scale=true_cfg,
+        guidance_scale=guidance,
+        negative_prompt=params.negative_prompt if cfg else None,
+        seed=params.seed,
+    )
+
+
+class Announcements:
+    """Requests announced to the batcher and not yet accepted by the worker, per batch key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[Any, ...]] = Counter()
+
+    def add(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def remove(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._counts[key] -= 1
+            if self._counts[key] <= 0:
+                del self._counts[key]
+
+    def pending(self, key: tuple[Any, ...]) -> int:
+        with self._lock:
+            return self._counts.get(key, 0)
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())

@@ -1,0 +1,1 @@
+"""HTTP plumbing the stage server and the gateway share (ASGI level, no routes of their own)."""
