@@ -35,7 +35,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.omni_common import SPEAKER_FILE
+from omnimodel_runtime.layout import OMNI_SPEAKER_FILE as SPEAKER_FILE
 from omnimodel_runtime.tiny.omni import _make_audible
 from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, IM_START, _silence_unprintable, build_tokenizer
 

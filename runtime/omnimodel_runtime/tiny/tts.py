@@ -7,7 +7,7 @@ Layout of a ``tts`` model directory (the same for real weights, see docs/pipelin
     voices/     <name>.npy, one float32 speaker embedding per voice (``default`` is always served)
     speech.json generation bounds for the acoustic stage (threshold, minlenratio, maxlenratio)
 
-What makes a random model usable in tests (docs/pipeline-notes.md, two-stage TTS):
+What makes a random model usable in tests (docs/reference/PIPELINE-NOTES.md, two-stage TTS):
 
 - The tokenizer is a sentencepiece *character* model trained here on generated text, with SpeechT5's
   special-token ids (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3), wrapped by ``SpeechT5Tokenizer``.

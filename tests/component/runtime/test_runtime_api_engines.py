@@ -2,7 +2,7 @@
 
 Each engine starts once per module (vLLM takes ~30 s to start on CPU). The cross-engine check compares
 every served engine's greedy output with the transformers engine called directly: for vLLM that is the
-cross-engine equality docs/pipeline-notes.md promises; for transformers it proves the serving path alters
+cross-engine equality docs/reference/PIPELINE-NOTES.md promises; for transformers it proves the serving path alters
 nothing.
 """
 

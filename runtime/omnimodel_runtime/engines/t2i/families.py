@@ -16,7 +16,7 @@ What differs between families is the names of the embedding tensors, which of th
 unpacked and de-normalised; a :class:`Family` says exactly that. Covered here: ``QwenImagePipeline``
 (Qwen-Image and its fine-tunes) and ``FluxPipeline`` (FLUX.1 dev/schnell and fine-tunes).
 
-Facts the split must respect (see docs/pipeline-notes.md): latents come back *packed* ``(B, tokens, C)``, so
+Facts the split must respect (see docs/reference/PIPELINE-NOTES.md): latents come back *packed* ``(B, tokens, C)``, so
 decode needs the image size; a pipeline loaded without its VAE assumes ``vae_scale_factor = 8``, so the
 factor is set from the VAE's config; Qwen-Image masks become ``None`` when all ones, and only the
 denoise stage uses the seed.

@@ -36,7 +36,7 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-# What vLLM needs to run a small model on CPU (docs/pipeline-notes.md): fp32, eager mode, a small KV budget
+# What vLLM needs to run a small model on CPU (docs/reference/PIPELINE-NOTES.md): fp32, eager mode, a small KV budget
 # (gpu_memory_utilization means a share of CPU memory there) and a short context. Stage engine_args
 # override any of these; on GPUs vLLM's own defaults apply.
 CPU_DEFAULTS: dict[str, Any] = {

@@ -110,7 +110,7 @@ class HifiGanVocoderEngine(WorkerEngine[_Vocode]):
     def _vocode(self, mel: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             spectrogram = torch.from_numpy(mel).to(self._device)
-            # An un-batched (frames, bins) spectrogram gives an un-batched waveform (docs/pipeline-notes.md).
+            # An un-batched (frames, bins) spectrogram gives an un-batched waveform (docs/reference/PIPELINE-NOTES.md).
             wave = self._model(spectrogram)
             out: np.ndarray = wave.float().cpu().numpy()
             return out
