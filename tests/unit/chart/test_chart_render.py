@@ -227,6 +227,8 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
         stage_requests={"cpu": "500m", "memory": "1Gi"},
         gateway_requests={"cpu": "100m", "memory": "256Mi"},
         scrape_from={},
+        vllm_omni_images={"nvidia": "vllm/vllm-omni:v0.30.0", "amd": "vllm/vllm-omni-rocm:v0.30.0"},
+        vllm_omni_env={},
         namespaces=[],
         network_policy=True,
         health_port=8080,
