@@ -261,8 +261,8 @@ def kubectl_binary() -> str:
     return found
 
 
-def ensure_built() -> Toolchain:
-    """Return a complete toolchain, building only when something is missing.
+def ensure_built(out: Callable[[str], None] | None = None) -> Toolchain:
+    """Return a complete toolchain, building only when something is missing (progress to ``out``).
 
     ``OMNIMODEL_TESTBED_TOOLCHAIN`` may point at a prepared cache directory
     (one containing ``bin/`` and ``stages/``) to bypass go.mod entirely.
@@ -276,4 +276,4 @@ def ensure_built() -> Toolchain:
     tc = Toolchain(expected_dir())
     if tc.complete():
         return tc
-    return run_build_script()
+    return run_build_script(out=out)
