@@ -169,10 +169,18 @@ def run_build_script(heartbeat: float = BUILD_HEARTBEAT_SECONDS, out: Callable[[
     progress = _BuildProgress(heartbeat, out)
     reader = threading.Thread(target=progress.follow, args=(proc.stderr,), daemon=True)
     reader.start()
-    stdout = proc.stdout.read()
-    proc.wait()
-    reader.join(timeout=5)
-    progress.stop()
+    try:
+        stdout = proc.stdout.read()
+        proc.wait()
+    finally:
+        # Interrupted: stop the build too (go builds into a temp name, so nothing half-written is kept).
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        reader.join(timeout=5)
+        progress.stop()
+        proc.stdout.close()
+        proc.stderr.close()
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     if proc.returncode != 0 or not lines:
         raise BuildError(f"{script} failed with exit code {proc.returncode}")
@@ -261,7 +269,7 @@ def kubectl_binary() -> str:
     return found
 
 
-def ensure_built(out: Callable[[str], None] | None = None) -> Toolchain:
+def ensure_built(out: Callable[[str], None] | None = None, heartbeat: float = BUILD_HEARTBEAT_SECONDS) -> Toolchain:
     """Return a complete toolchain, building only when something is missing (progress to ``out``).
 
     ``OMNIMODEL_TESTBED_TOOLCHAIN`` may point at a prepared cache directory
@@ -276,4 +284,4 @@ def ensure_built(out: Callable[[str], None] | None = None) -> Toolchain:
     tc = Toolchain(expected_dir())
     if tc.complete():
         return tc
-    return run_build_script(out=out)
+    return run_build_script(heartbeat, out)
