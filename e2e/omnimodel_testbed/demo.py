@@ -223,9 +223,10 @@ def _binaries(reporter: Reporter, cached: bool) -> Toolchain:
     if not cached:
         reporter.say(
             "not built yet: building etcd, kwok, helm, kube-scheduler, kube-controller-manager and kube-apiserver "
-            "from the pinned Go modules (first run only: about 9 min on 2 cores, Go module download included)"
+            "from the pinned Go modules (first run only: 5 to 9 min on 2 cores, Go module download included)"
         )
-    tc = ensure_built(out=reporter.say)
+    # Build heartbeats more often than the step's own (15 s), so only the build's say what compiles.
+    tc = ensure_built(out=reporter.say, heartbeat=10.0)
     reporter.say(f"{'cached' if cached else 'built'}: {tc.bin_dir}")
     return tc
 
@@ -507,7 +508,10 @@ class _Inside:
 
     def _stop_cluster(self, cluster: Cluster) -> None:
         stopped = cluster.down()
-        self.reporter.say(f"stopped the control plane: {', '.join(f'{r.name} ({r.pid})' for r in stopped)}")
+        names = ", ".join(f"{r.name} ({r.pid})" for r in stopped)
+        self.reporter.say(
+            f"stopped the control plane (the chart's release and the OmniModels were in its etcd): {names}"
+        )
 
     def install_chart(self) -> None:
         self.show("create", "namespace", NAMESPACE)
@@ -531,7 +535,6 @@ class _Inside:
             raise StepError(f"helm install failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         keep = ("NAME:", "NAMESPACE:", "STATUS:", "REVISION:")
         self.reporter.say("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(keep)))
-        self.teardown.callback(self.reporter.say, "the chart goes with the cluster (no helm uninstall needed)")
 
     def start_operator(self) -> None:
         deployment = json.loads(self.kubectl("get", "deployment", RELEASE, "-n", RELEASE_NAMESPACE, "-o", "json"))
@@ -658,7 +661,7 @@ class _Inside:
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": question}], max_tokens=16, seed=1
         )
-        self.reporter.say(f"{model}> {reply.choices[0].message.content}")
+        self.reporter.say(f"{model}> {(reply.choices[0].message.content or '').strip()}")
         usage = reply.usage
         self.reporter.say(
             f"({usage.completion_tokens if usage else '?'} tokens of random tiny weights: the words are noise, the "
@@ -688,7 +691,7 @@ class _Inside:
         self.paths.out.mkdir(parents=True, exist_ok=True)
         path = self.paths.out / "omni-answer.wav"
         path.write_bytes(data)
-        self.reporter.say(f"{model}> {message.content}")
+        self.reporter.say(f"{model}> {(message.content or '').strip()}")
         self.reporter.say(f"audio: {path}  ({frames / rate:.2f} s, {rate} Hz mono, 16-bit PCM WAV)")
 
     def image(self) -> None:
