@@ -32,6 +32,7 @@ __all__ = [
     "expected_dir",
     "go_module_dir",
     "kubectl_binary",
+    "missing_binaries",
     "pinned_versions",
 ]
 
@@ -166,7 +167,7 @@ def run_build_script(heartbeat: float = BUILD_HEARTBEAT_SECONDS, out: Callable[[
     script = go_module_dir() / "build.sh"
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stdout is not None and proc.stderr is not None
-    progress = _BuildProgress(heartbeat, out)
+    progress = _BuildProgress(heartbeat, out, pending=missing_binaries())
     reader = threading.Thread(target=progress.follow, args=(proc.stderr,), daemon=True)
     reader.start()
     try:
@@ -193,8 +194,12 @@ def run_build_script(heartbeat: float = BUILD_HEARTBEAT_SECONDS, out: Callable[[
 class _BuildProgress:
     """Echoes build.sh's stderr and, when it goes quiet, says what is still compiling."""
 
-    def __init__(self, heartbeat: float, out: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, heartbeat: float, out: Callable[[str], None] | None = None, pending: Iterable[str] = BINARIES
+    ) -> None:
         self.heartbeat = heartbeat
+        # Only binaries still to build count towards the time left.
+        self._pending = set(pending)
         self._out = out or (lambda line: print(line, file=sys.stderr, flush=True))
         self._lock = threading.Lock()
         self._current: str | None = None
@@ -227,7 +232,11 @@ class _BuildProgress:
             if self._current is None:
                 return None
             elapsed = time.monotonic() - self._started
-            left = sum(s for n, s in COLD_BUILD_SECONDS.items() if n not in self._done and n != self._current)
+            left = sum(
+                s
+                for n, s in COLD_BUILD_SECONDS.items()
+                if n in self._pending and n not in self._done and n != self._current
+            )
             own = COLD_BUILD_SECONDS.get(self._current, 0)
             left += max(0, own - int(elapsed))
             estimate = f"; about {_minutes(left)} left on a cold build (2 cores)" if left else ""
@@ -252,6 +261,12 @@ class _BuildProgress:
 
 def _minutes(seconds: int) -> str:
     return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
+def missing_binaries() -> list[str]:
+    """The binaries the pinned versions' cache directory lacks, in build order."""
+    tc = Toolchain(expected_dir())
+    return [b for b in COLD_BUILD_SECONDS if not os.access(tc.path(b), os.X_OK)]
 
 
 def kubectl_binary() -> str:

@@ -51,7 +51,7 @@ import openai
 import yaml
 
 from . import procs
-from .binaries import Toolchain, cache_root, ensure_built, expected_dir, kubectl_binary
+from .binaries import Toolchain, cache_root, ensure_built, expected_dir, kubectl_binary, missing_binaries
 from .cluster import Cluster, ClusterError
 from .dns import ClusterDNS, service_addresses
 from .kubelet import PodProcess, PodRunner
@@ -221,9 +221,10 @@ def _outside_locked(args: argparse.Namespace, paths: Paths, reporter: Reporter, 
 
 def _binaries(reporter: Reporter, cached: bool) -> Toolchain:
     if not cached:
+        missing = missing_binaries()
         reporter.say(
-            "not built yet: building etcd, kwok, helm, kube-scheduler, kube-controller-manager and kube-apiserver "
-            "from the pinned Go modules (first run only: 5 to 9 min on 2 cores, Go module download included)"
+            f"not built yet: {', '.join(missing)}; building from the pinned Go modules (first run only: all six "
+            "took 5 to 9 min here on 2 cores, Go module download included)"
         )
     # Build heartbeats more often than the step's own (15 s), so only the build's say what compiles.
     tc = ensure_built(out=reporter.say, heartbeat=10.0)
