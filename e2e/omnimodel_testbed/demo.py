@@ -309,6 +309,7 @@ def enter(state_dir: Path | None, cmd: Sequence[str]) -> int:
         return 1
     env = dict(os.environ)
     env["KUBECONFIG"] = str(paths.state_dir / "admin.kubeconfig")
+    env["KUBECACHEDIR"] = str(paths.demo / "kube-cache")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     argv = [nsenter, "-t", str(info["pid"]), "-U", "-n", "-m", "--", *(cmd or [env.get("SHELL", "/bin/sh")])]
     return subprocess.run(argv, env=env, check=False).returncode
@@ -349,8 +350,11 @@ class _Inside:
         self.kubeconfig = Path()
         self.runner: PodRunner | None = None
         self.operator: ChartOperator | None = None
+        # kubectl's discovery cache and helm's homes in the state dir, not in ~/.kube and ~/.cache (each run
+        # is a new cluster on new ports: a cache in the home directory would only pile up).
+        self.kube_env = {**os.environ, "KUBECACHEDIR": str(paths.demo / "kube-cache")}
         self.helm_env = {
-            **os.environ,
+            **self.kube_env,
             **{f"HELM_{k.upper()}_HOME": str(paths.demo / "helm" / k) for k in ("cache", "config", "data")},
         }
 
@@ -406,6 +410,7 @@ class _Inside:
             text=True,
             check=False,
             timeout=timeout,
+            env=self.kube_env,
         )
         if check and proc.returncode != 0:
             raise StepError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
