@@ -112,6 +112,7 @@ class PodRunner:
         extra_env: Mapping[str, str] | None = None,
         interval: float = 0.3,
         vllm_omni_env: Callable[[], Path] = ensure_vllm_omni_env,
+        on_start: Callable[[PodProcess], None] | None = None,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -123,6 +124,8 @@ class PodRunner:
         self.interval = interval
         # Resolved on the first vLLM-Omni pod only: suites without one never build that environment.
         self.vllm_omni_env = vllm_omni_env
+        # Told about every process right after it starts (e.g. to record its PID for a later cleanup).
+        self.on_start = on_start
         self.running: dict[str, PodProcess] = {}
         self.started: list[str] = []
         self._lock = threading.Lock()
@@ -139,7 +142,12 @@ class PodRunner:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            for pod in list(self.running.values()):
+            pods = list(self.running.values())
+            # Every pod told at once (they drain in parallel, as a node's pods do), then each awaited.
+            for pod in pods:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pod.proc.pid, signal.SIGTERM)
+            for pod in pods:
                 self._terminate(pod)
             self.running.clear()
 
@@ -169,6 +177,8 @@ class PodRunner:
                 if uid not in self.running:
                     self.running[uid] = self._launch(pod)
                     self.started.append(pod["metadata"]["name"])
+                    if self.on_start is not None:
+                        self.on_start(self.running[uid])
 
     def processes(self, name_prefix: str = "") -> list[PodProcess]:
         with self._lock:
@@ -235,6 +245,10 @@ class PodRunner:
             return value
 
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
+        if env.get("PYTHONPATH"):
+            # The pod runs in its own directory: a relative entry (`PYTHONPATH=operator:runtime:e2e`, this
+            # checkout's code) would name nothing there, and the venv's installed copy would run instead.
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
         container_env: dict[str, str] = {}
         for item in container.get("env") or []:
             source = item.get("valueFrom") or {}
