@@ -199,13 +199,20 @@ class PodRunner:
                 continue
             target = root / "volumes" / name
             target.mkdir(parents=True, exist_ok=True)
-            if "configMap" in volume:
-                cm_name = volume["configMap"]["name"]
-                cm = self.api.get(f"/api/v1/namespaces/{self.namespace}/configmaps/{cm_name}")
-                for key, value in (cm.get("data") or {}).items():
-                    (target / key).write_text(value)
+            sources = [volume] if "configMap" in volume else (volume.get("projected") or {}).get("sources") or []
+            for source in sources:
+                if "configMap" in source:
+                    self._write_configmap(source["configMap"], target)
             out[name] = target
         return out
+
+    def _write_configmap(self, ref: Mapping[str, Any], target: Path) -> None:
+        """A configMap volume or projected source: every key as a file, or only ``items`` (key → path)."""
+        cm = self.api.get(f"/api/v1/namespaces/{self.namespace}/configmaps/{ref['name']}")
+        data = cm.get("data") or {}
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            (target / item["path"]).write_text(data[item["key"]])
 
     def _field_value(self, pod: Mapping[str, Any], path: str) -> str:
         """The downward API's ``fieldRef`` values a stage pod uses."""

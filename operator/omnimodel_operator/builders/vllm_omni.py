@@ -115,22 +115,13 @@ def deploy_configmap(plan: VllmPlan) -> Manifest:
 
 
 def _deploy_volume(plan: VllmPlan) -> tuple[dict[str, Any], dict[str, Any]]:
-    sources: list[dict[str, Any]] = [
-        {
-            "configMap": {
-                "name": naming.pipeline_configmap_name(plan.name),
-                "items": [{"key": DEPLOY_FILE, "path": DEPLOY_FILE}],
-            }
-        }
-    ]
+    mount = {"name": "deploy", "mountPath": DEPLOY_DIR, "readOnly": True}
+    ours = {"name": naming.pipeline_configmap_name(plan.name), "items": [{"key": DEPLOY_FILE, "path": DEPLOY_FILE}]}
     ref = plan.spec.runtime.deploy_config_ref
-    if ref is not None:
-        sources.append({"configMap": {"name": ref.name, "items": [{"key": ref.key, "path": OVERLAY_FILE}]}})
-    return {"name": "deploy", "projected": {"sources": sources}}, {
-        "name": "deploy",
-        "mountPath": DEPLOY_DIR,
-        "readOnly": True,
-    }
+    if ref is None:
+        return {"name": "deploy", "configMap": ours}, mount
+    theirs = {"name": ref.name, "items": [{"key": ref.key, "path": OVERLAY_FILE}]}
+    return {"name": "deploy", "projected": {"sources": [{"configMap": ours}, {"configMap": theirs}]}}, mount
 
 
 def _deploy_path(plan: VllmPlan) -> str:
