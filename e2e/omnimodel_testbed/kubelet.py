@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .kubeapi import KubeAPI
+from .netns import POD_INTERFACE
 from .shm import DEFAULT_SHM_SIZE, private_shm_argv
 from .vllm_omni import VLLM_OMNI_CPU_ENV
 from .vllm_omni import ensure_env as ensure_vllm_omni_env
@@ -55,6 +56,22 @@ def expand_env_refs(value: str, env: Mapping[str, str]) -> str:
         return env.get(m.group(1), m.group(0))
 
     return _ENV_REF.sub(sub, value)
+
+
+def pod_address(ip: str, *, add: bool) -> None:
+    """Put a pod's IP on the namespace's pod interface (or take it off), as a CNI puts it on the pod's
+    eth0. Outside the test bed's network namespace (no such interface) there is nothing to do."""
+    # /proc/net is the calling process's network namespace (/sys/class/net may still be the host's).
+    names = {line.split(":", 1)[0].strip() for line in Path("/proc/net/dev").read_text().splitlines() if ":" in line}
+    if POD_INTERFACE not in names:
+        return
+    ip_tool = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin") or "ip"
+    verb = "add" if add else "del"
+    result = subprocess.run(
+        [ip_tool, "addr", verb, f"{ip}/32", "dev", POD_INTERFACE], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0 and "File exists" not in result.stderr and "Cannot assign" not in result.stderr:
+        log.warning("ip addr %s %s failed: %s", verb, ip, result.stderr.strip())
 
 
 def is_vllm_omni(container: Mapping[str, Any]) -> bool:
@@ -149,6 +166,7 @@ class PodRunner:
                     os.killpg(pod.proc.pid, signal.SIGTERM)
             for pod in pods:
                 self._terminate(pod)
+                pod_address(pod.ip, add=False)
             self.running.clear()
 
     def _loop(self) -> None:
@@ -172,6 +190,7 @@ class PodRunner:
             for uid, proc in list(self.running.items()):
                 if uid not in alive:
                     self._terminate(proc)
+                    pod_address(proc.ip, add=False)
                     del self.running[uid]
             for uid, pod in alive.items():
                 if uid not in self.running:
@@ -231,6 +250,7 @@ class PodRunner:
     def _launch(self, pod: Mapping[str, Any]) -> PodProcess:
         meta, spec = pod["metadata"], pod["spec"]
         ip = pod["status"]["podIP"]
+        pod_address(ip, add=True)
         container = spec["containers"][0]
         root = self.workdir / meta["name"]
         root.mkdir(parents=True, exist_ok=True)

@@ -31,19 +31,26 @@ from types import FrameType
 from .binaries import cache_root
 from .cluster import Cluster, ClusterError
 
-__all__ = ["CLUSTER_DNS", "NETNS_POD_CIDR", "netns_argv", "run_in_netns", "run_passing_signals"]
+__all__ = ["CLUSTER_DNS", "NETNS_POD_CIDR", "POD_INTERFACE", "netns_argv", "run_in_netns", "run_passing_signals"]
 
 log = logging.getLogger("omnimodel_testbed")
 
 #: Pod CIDR used inside the namespace (kube-flannel's conventional default).
 NETNS_POD_CIDR = "10.244.0.0/16"
 
-# lo up, the pod CIDR local on lo, and (in the private mount namespace) a resolv.conf that points at
-# the test bed's cluster DNS (omnimodel_testbed.dns), so in-cluster names resolve for pod processes.
+# lo up, the pod CIDR local on lo, a network interface that carries each pod's IP as a real pod's eth0
+# does (POD_INTERFACE: the pod runner adds and removes the addresses; libraries such as Mooncake's
+# transfer engine refuse an address that no non-loopback interface holds), and (in the private mount
+# namespace) a resolv.conf that points at the test bed's cluster DNS (omnimodel_testbed.dns), so
+# in-cluster names resolve for pod processes.
 _SETUP = (
     'set -e; "$1" link set lo up; "$1" route add local "$2" dev lo; '
+    '"$1" link add omnipods type veth peer name omnipods-peer; '
+    '"$1" link set omnipods up; "$1" link set omnipods-peer up; '
     'mount --bind "$3" /etc/resolv.conf; shift 3; exec "$@"'
 )
+#: The interface pod IPs are assigned to inside the namespace.
+POD_INTERFACE = "omnipods"
 #: Where the cluster DNS listens inside the namespace (what the bound resolv.conf names).
 CLUSTER_DNS = ("127.0.0.53", 53)
 
