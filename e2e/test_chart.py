@@ -174,7 +174,7 @@ NEEDED_IN_WATCHED = [
     ("create", "configmaps"), ("patch", "services"), ("delete", "services"), ("create", "serviceaccounts"),
     ("watch", "serviceaccounts"), ("create", "horizontalpodautoscalers.autoscaling"),
     ("delete", "poddisruptionbudgets.policy"), ("patch", "networkpolicies.networking.k8s.io"),
-    ("list", "pods"), ("watch", "pods"), ("create", "events"),
+    ("list", "pods"), ("watch", "pods"), ("create", "events"), ("patch", "deployments.apps/scale"),
 ]  # fmt: skip
 DENIED_IN_WATCHED = [
     ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),  # the gateway only names its key Secret

@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from omnimodel_operator import constants as C
+from omnimodel_operator.autoscaler.loop import Autoscaler
 from omnimodel_operator.cache import IndexCache, instance_of, owner_of, snapshot
 from omnimodel_operator.controller import Controller
 from omnimodel_operator.kube import HttpKube, load_connection
@@ -57,16 +58,26 @@ async def start_controller(memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) 
     """The indexes arrive as keyword arguments named after their functions below."""
     client = HttpKube(load_connection())
     memo.client = client
-    memo.controller = Controller(client, IndexCache.from_kwargs(kwargs), memo.settings, memo.metrics, logger=logger)
-    memo.controller_task = asyncio.create_task(memo.controller.run())
+    cache = IndexCache.from_kwargs(kwargs)
+    controller = Controller(client, cache, memo.settings, memo.metrics, logger=logger)
+    autoscaler = Autoscaler(
+        controller.client, cache, memo.settings, on_decision=lambda key: controller.enqueue(key, "autoscaler")
+    )
+    controller.autoscaler_status = autoscaler.status_of
+    memo.controller, memo.autoscaler = controller, autoscaler
+    memo.controller_task = asyncio.create_task(controller.run())
+    memo.autoscaler_task = asyncio.create_task(autoscaler.run())
 
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("controller_task")
-    if task is not None:
+    tasks = [t for t in (memo.get("controller_task"), memo.get("autoscaler_task")) if t is not None]
+    for task in tasks:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    autoscaler = memo.get("autoscaler")
+    if autoscaler is not None:
+        await autoscaler.aclose()
     client = memo.get("client")
     if client is not None:
         await client.aclose()

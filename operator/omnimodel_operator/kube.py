@@ -73,6 +73,10 @@ class KubeClient(Protocol):
 
     async def create(self, manifest: Manifest) -> Manifest: ...
 
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest: ...
+
 
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     plural, namespaced = RESOURCES[(api_version, kind)]
@@ -224,6 +228,18 @@ class HttpKube:
             "PATCH",
             _path(api_version, kind, namespace, name) + "/status",
             content=json.dumps({"status": status}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest:
+        """Set replicas through the scale subresource (as `kubectl scale` and HPAs do)."""
+        return await self._request(
+            "PATCH",
+            _path(api_version, kind, namespace, name) + "/scale",
+            params={"fieldManager": field_manager},
+            content=json.dumps({"spec": {"replicas": replicas}}),
             headers={"Content-Type": "application/merge-patch+json"},
         )
 

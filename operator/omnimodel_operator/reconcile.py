@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import OmniModelStatus
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, OmniModelStatus
 from omnimodel_operator.builders import Manifest, render
 from omnimodel_operator.drift import drift
 from omnimodel_operator.kube import ApiError, KubeClient
@@ -159,6 +159,7 @@ def _status(
     generation: int | None,
     now: str,
     problems: Problems,
+    autoscalers: Mapping[str, AutoscalerStatus],
 ) -> OmniModelStatus:
     hpas = {
         sp.name: hpa
@@ -167,7 +168,7 @@ def _status(
     }
     if isinstance(plan, VllmPlan):
         stages, gateway = vllm_components(plan, current, pods)
-        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
+        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers)
     stages = []
     for sp in plan.stages:
         name = naming.stage_name(plan.name, sp.stage.name)
@@ -175,7 +176,7 @@ def _status(
         stages.append(component_state(sp.stage.name, current.get(("Deployment", name)), mine))
     gateway_pods = [p for p in pods if _matches(p, naming.gateway_selector(plan.name))]
     gateway = component_state("gateway", current.get(("Deployment", naming.gateway_name(plan.name))), gateway_pods)
-    return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
+    return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers)
 
 
 async def write_status(
@@ -206,13 +207,13 @@ def transition_event(
     if before is not None and (before["status"], before["reason"]) == (after["status"], after["reason"]):
         return None
     if after["status"] == "True":
-        return _event(body, "Normal", "Ready", after["message"], now)
+        return event(body, "Normal", "Ready", after["message"], now)
     if after["reason"] == cond.UPDATING:
-        return _event(body, "Normal", "RollingOut", after["message"], now)
-    return _event(body, "Warning", after["reason"], after["message"], now)
+        return event(body, "Normal", "RollingOut", after["message"], now)
+    return event(body, "Warning", after["reason"], after["message"], now)
 
 
-def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
+def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
     meta = body["metadata"]
     return {
         "apiVersion": "v1",
@@ -245,6 +246,7 @@ async def reconcile(
     now: Callable[[], str] = utc_now,
     *,
     last_status: Mapping[str, Any] | None = None,
+    autoscalers: Mapping[str, AutoscalerStatus] | None = None,
 ) -> Outcome:
     """Bring one OmniModel's children and status in line with its spec.
 
@@ -278,7 +280,7 @@ async def reconcile(
         current = await _apply_children(client, desired, live, outcome)
         await _prune(client, [obj for key, obj in live.items() if key not in wanted], outcome)
     problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts))
-    status = _status(plan, current, observed.pods, old, generation, now(), problems)
+    status = _status(plan, current, observed.pods, old, generation, now(), problems, autoscalers or {})
     outcome.status = status_dict(status)
     await write_status(client, body, old_raw, outcome.status, now())
     return outcome

@@ -212,6 +212,7 @@ def compute_status(
     generation: int | None,
     now: str,
     problems: Problems | None = None,
+    autoscalers: Mapping[str, AutoscalerStatus] | None = None,
 ) -> OmniModelStatus:
     """Roll component state up into conditions and the per-stage table."""
     problems = problems or Problems()
@@ -272,7 +273,7 @@ def compute_status(
             accelerator=_accelerator_text(plan, s.name),
             service=plan.service_of(s.name),
             message="" if s.is_ready else s.message,
-            autoscaler=autoscaler_status(hpas.get(s.name)),
+            autoscaler=(autoscalers or {}).get(s.name) or autoscaler_status(hpas.get(s.name)),
         )
         for s in stages
     ]

@@ -28,7 +28,12 @@ watchNamespaces otherwise.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]
-# Per-stage HorizontalPodAutoscalers (stages with spec.autoscaling), as above.
+# The operator's autoscaler sets the replicas of autoscaled stages (provider operator) through the
+# scale subresource, as an HPA would.
+- apiGroups: ["apps"]
+  resources: ["deployments/scale"]
+  verbs: ["patch"]
+# Per-stage HorizontalPodAutoscalers (stages with autoscaling provider hpa), as above.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]

@@ -26,7 +26,7 @@ MAX_STAGES = 16
 MAX_INPUTS = 8
 # Child names are <cr>-<stage>; these suffixes belong to the OmniModel's own children.
 RESERVED_STAGE_NAMES = ("gateway", "pipeline", "runtime")
-DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80, "queueDepth": 4, "inFlight": 4}
+DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80.0, "queueDepth": 4.0, "inFlight": 4.0, "pendingSeconds": 10.0}
 ALL_TASKS = tuple(sorted({t for tasks in ENGINE_TASKS.values() for t in tasks}))
 
 
@@ -224,6 +224,12 @@ class Accelerator(KubeModel):
     )
 
 
+class ScalingRatio(KubeModel):
+    stage: DnsLabel = Field(description="Another stage of this OmniModel.")
+    min: float | None = Field(default=None, ge=0, le=1000, description="At least min x that stage's replicas.")
+    max: float | None = Field(default=None, ge=0, le=1000, description="At most max x that stage's replicas.")
+
+
 class Autoscaling(KubeModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -233,31 +239,99 @@ class Autoscaling(KubeModel):
                     "(has(self.minReplicas) ? self.minReplicas : 1) <= self.maxReplicas",
                     "autoscaling.minReplicas (default 1) must not exceed maxReplicas",
                     ".minReplicas",
-                )
+                ),
+                cel(
+                    "!has(self.metric) || self.metric != 'cpu' || (has(self.provider) && self.provider == 'hpa')",
+                    "metric cpu is scaled by a HorizontalPodAutoscaler: set provider: hpa",
+                    ".metric",
+                ),
+                cel(
+                    "!has(self.minReplicas) || self.minReplicas > 0 || !has(self.provider) "
+                    "|| self.provider == 'operator'",
+                    "scaling to zero needs provider operator (a HorizontalPodAutoscaler keeps at least one pod)",
+                    ".minReplicas",
+                ),
+                cel(
+                    "!has(self.provider) || self.provider != 'hpa' || !has(self.metric) "
+                    "|| self.metric != 'pendingSeconds'",
+                    "pendingSeconds is read by the operator's autoscaler: "
+                    "provider hpa takes inFlight, queueDepth or cpu",
+                    ".metric",
+                ),
+                cel(
+                    "!has(self.ratio) || has(self.ratio.min) || has(self.ratio.max)",
+                    "autoscaling.ratio needs min, max or both",
+                    ".ratio",
+                ),
             ]
         }
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Lower bound. Default 1.")
-    max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
-    metric: Literal["cpu", "queueDepth", "inFlight"] = Field(
-        default="queueDepth",
-        description="cpu (utilisation %, resource metric) or a per-pod runtime metric served through "
-        "the custom metrics API: queueDepth (omnimodel_queue_depth) or inFlight "
-        "(omnimodel_requests_in_flight). Default queueDepth.",
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Lower bound. Default 1. 0 lets an idle stage go to zero after idleSecondsToZero; "
+        "the gateway holds a request that needs it until a replica is ready (provider operator only).",
     )
-    target: int | None = Field(
+    max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
+    provider: Literal["operator", "hpa"] = Field(
+        default="operator",
+        description="operator: the operator's own autoscaler reads the runtime's signals (nothing to "
+        "install) and sets the Deployment's replicas through its scale subresource. hpa: an "
+        "autoscaling/v2 HorizontalPodAutoscaler (metric cpu from metrics-server, or a Pods metric "
+        "served by prometheus-adapter; see docs/autoscaling.md). Default operator.",
+    )
+    metric: Literal["inFlight", "queueDepth", "pendingSeconds", "cpu"] | None = Field(
         default=None,
-        ge=1,
+        description="What one replica should carry at most (target). inFlight: requests the gateway has "
+        "in flight on the stage; queueDepth: requests queued at the stage (vLLM-Omni: its "
+        "stage_waiting_requests); pendingSeconds: in-flight requests x the stage's mean request time "
+        "(seconds of work waiting); cpu: utilisation percent (provider hpa). Default: pendingSeconds for "
+        "diffusion stages, queueDepth for vLLM-Omni stages, inFlight otherwise.",
+    )
+    target: float | None = Field(
+        default=None,
+        gt=0,
         le=100000,
-        description="Target per pod: utilisation percent for cpu, average value otherwise. "
-        f"Default {DEFAULT_AUTOSCALING_TARGETS['cpu']} for cpu, {DEFAULT_AUTOSCALING_TARGETS['queueDepth']} "
-        f"for queueDepth and {DEFAULT_AUTOSCALING_TARGETS['inFlight']} for inFlight.",
+        description="Target per replica. Default: inFlight 4, queueDepth 4, pendingSeconds 10, cpu 80.",
+    )
+    scale_up_window_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Scale up to the lowest recommendation of this window. Default 0."
+    )
+    scale_down_window_seconds: int = Field(
+        default=120,
+        ge=0,
+        le=3600,
+        description="Scale down only to the highest recommendation of this window, so a brief lull "
+        "does not drop replicas that the next burst needs. Default 120.",
+    )
+    idle_seconds_to_zero: int = Field(
+        default=300, ge=0, le=86400, description="With minReplicas 0: seconds without load before 0. Default 300."
+    )
+    ratio: ScalingRatio | None = Field(
+        default=None,
+        description="Keep this stage's replicas within min..max times another stage's (e.g. two talkers "
+        "per thinker at most).",
     )
 
-    @property
-    def target_value(self) -> int:
-        return self.target if self.target is not None else DEFAULT_AUTOSCALING_TARGETS[self.metric]
+    @model_validator(mode="after")
+    def _checked(self) -> Autoscaling:
+        # The CEL rules above, again, for objects that never went through the API server.
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas (default 1) must not exceed maxReplicas")
+        if self.metric == "cpu" and self.provider != "hpa":
+            raise ValueError("metric cpu is scaled by a HorizontalPodAutoscaler: set provider: hpa")
+        if self.min_replicas == 0 and self.provider != "operator":
+            raise ValueError("scaling to zero needs provider operator (a HorizontalPodAutoscaler keeps one pod)")
+        if self.metric == "pendingSeconds" and self.provider == "hpa":
+            raise ValueError("pendingSeconds is read by the operator's autoscaler, not by an HPA")
+        if self.ratio is not None and self.ratio.min is None and self.ratio.max is None:
+            raise ValueError("autoscaling.ratio needs min, max or both")
+        return self
+
+    def target_for(self, metric: str) -> float:
+        return self.target if self.target is not None else DEFAULT_AUTOSCALING_TARGETS[metric]
 
 
 class Disruption(KubeModel):
@@ -477,6 +551,17 @@ class OmniModelSpec(KubeModel):
         return self
 
     @model_validator(mode="after")
+    def _ratio_stages(self) -> OmniModelSpec:
+        names = {s.name for s in self.stages or ()}
+        for stage in self.stages or ():
+            ratio = stage.autoscaling.ratio if stage.autoscaling else None
+            if ratio is not None and (ratio.stage == stage.name or ratio.stage not in names):
+                raise ValueError(
+                    f"stage {stage.name}: autoscaling.ratio.stage must name another stage listed in spec.stages"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> OmniModelSpec:
         # The CRD's list-map already guarantees this on the server; the operator also parses
         # files given to `render`, which never went through the API server.
@@ -507,10 +592,17 @@ class StatusModel(KubeModel):
 
 
 class AutoscalerStatus(StatusModel):
-    kind: str = Field(description="What scales the stage: HorizontalPodAutoscaler.")
-    name: str = Field(description="Its name.")
+    kind: str = Field(
+        description="What scales the stage: OmniModelAutoscaler (the operator) or HorizontalPodAutoscaler."
+    )
+    name: str = Field(description="The Deployment it scales (operator) or the HPA's name.")
     current_replicas: int = Field(default=0, description="Replicas it last saw.")
     desired_replicas: int = Field(default=0, description="Replicas it last asked for.")
+    metric: str | None = Field(default=None, description="The signal it follows (operator).")
+    signal: float | None = Field(default=None, description="The signal's last value, summed over replicas.")
+    target: float | None = Field(default=None, description="Target per replica.")
+    reason: str | None = Field(default=None, description="Why the last decision is what it is.")
+    last_scale_time: str | None = Field(default=None, description="When it last changed replicas (RFC 3339).")
 
 
 class ComponentStatus(StatusModel):

@@ -146,20 +146,23 @@ _METRIC_NAMES = {"queueDepth": "omnimodel_queue_depth", "inFlight": "omnimodel_r
 
 def stage_hpa(plan: Plan, sp: StagePlan) -> Manifest | None:
     auto = sp.spec.autoscaling if sp.spec else None
-    if auto is None:
+    if auto is None or auto.provider != "hpa":
+        # provider operator: the operator's autoscaler sets replicas itself (autoscaler/loop.py).
         return None
     name = naming.stage_name(plan.name, sp.stage.name)
-    if auto.metric == "cpu":
+    metric_name = auto.metric or "inFlight"
+    target = auto.target_for(metric_name)
+    if metric_name == "cpu":
         metric: dict[str, Any] = {
             "type": "Resource",
-            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": auto.target_value}},
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": round(target)}},
         }
     else:
         metric = {
             "type": "Pods",
             "pods": {
-                "metric": {"name": _METRIC_NAMES[auto.metric]},
-                "target": {"type": "AverageValue", "averageValue": str(auto.target_value)},
+                "metric": {"name": _METRIC_NAMES[metric_name]},
+                "target": {"type": "AverageValue", "averageValue": f"{target:g}"},
             },
         }
     return {
