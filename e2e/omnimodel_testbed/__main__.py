@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("DEMO_KEEP", "") not in ("", "0"),
         help="leave everything running at the end (until Ctrl-C) and print how to reach it (env DEMO_KEEP=1)",
     )
+    demo.add_argument(
+        "--vllm-omni",
+        action="store_true",
+        default=os.environ.get("DEMO_VLLM_OMNI", "") not in ("", "0"),
+        help="also deploy a tiny image model on vLLM-Omni's own engines (head + headless replica); builds "
+        "the cached vLLM-Omni environment on first use (env DEMO_VLLM_OMNI=1)",
+    )
     demo.add_argument("--out", type=Path, default=None, help="where the WAV and PNG go (default: <state dir>/output)")
     # Internal: the half of the demo that runs inside the network namespace.
     demo.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)

@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import struct
@@ -58,6 +59,7 @@ from .kubelet import PodProcess, PodRunner
 from .netns import CLUSTER_DNS, NETNS_POD_CIDR, netns_argv, run_passing_signals
 from .operator_process import ChartOperator, service_account_kubeconfig
 from .progress import Reporter, StepError
+from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
 __all__ = ["DEMO_MODELS", "STEPS", "enter", "processes_in_netns", "run"]
 
@@ -78,11 +80,12 @@ class DemoModel:
     name: str
 
 
-# The two OmniModels, straight from examples/ (so `kubectl apply -f` of the same files works anywhere).
-# When the operator renders `spec.runtime.kind: vllm-omni`, a third entry goes here (behind a flag if it
-# is slow), with its own talk step.
+# The OmniModels, straight from examples/ (so `kubectl apply -f` of the same files works anywhere). With
+# --vllm-omni (DEMO_VLLM_OMNI=1) a third one runs on vLLM-Omni's own engines: it needs the cached vLLM-Omni
+# environment (built on first use, about 2 minutes) and its start-up adds about a minute.
 OMNI = DemoModel("qwen-omni-tiny.yaml", "omni-tiny")
 IMAGE = DemoModel("text-to-image-tiny.yaml", "image-tiny")
+VLLM_IMAGE = DemoModel("vllm-omni-image-tiny.yaml", "vllm-image")
 DEMO_MODELS = (OMNI, IMAGE)
 SCALED_STAGE = "thinker"
 
@@ -98,6 +101,7 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("audio", "Chat with audio: thinker -> talker -> code2wav, saved as a WAV file"),
     ("image", "An image from the text-to-image OmniModel, saved as a PNG file"),
     ("scale", f"Scale the {SCALED_STAGE} to 2 replicas; the new pod takes traffic"),
+    ("vllm-omni", "With --vllm-omni: images from vLLM-Omni's head and its headless replica, one pod each"),
     ("teardown", "Tear down"),
 )
 
@@ -208,6 +212,7 @@ def _outside_locked(args: argparse.Namespace, paths: Paths, reporter: Reporter, 
     inner_cmd = [
         sys.executable, "-m", "omnimodel_testbed", "--state-dir", str(paths.state_dir), "demo", "--inside",
         "--t0", repr(t0), "--out", str(paths.out), *(["--keep"] if args.keep else []),
+        *(["--vllm-omni"] if getattr(args, "vllm_omni", False) else []),
     ]  # fmt: skip
     # A Ctrl-C at the terminal reaches both processes, a signal for this one is passed on: the inside
     # process tears down (it ignores the duplicate), this one waits for it and then sweeps.
@@ -342,6 +347,8 @@ class _Inside:
     def __init__(self, args: argparse.Namespace, paths: Paths) -> None:
         self.args = args
         self.paths = paths
+        self.vllm_omni = bool(getattr(args, "vllm_omni", False))
+        self.models = (*DEMO_MODELS, VLLM_IMAGE) if self.vllm_omni else DEMO_MODELS
         self.reporter = Reporter(STEPS, t0=args.t0)
         self.interrupts = _Interrupts(self.reporter)
         self.teardown = contextlib.ExitStack()
@@ -470,6 +477,11 @@ class _Inside:
             self.image()
         with r.step("scale", slow_after=60, look_at=self.pod_logs):
             self.scale()
+        if self.vllm_omni:
+            with r.step("vllm-omni", slow_after=60, look_at=self.pod_logs):
+                self.vllm_images()
+        else:
+            r.say("(skipped: run `make demo DEMO_VLLM_OMNI=1` to add an OmniModel on vLLM-Omni's own engines)")
 
     def start_cluster(self) -> None:
         cluster = Cluster(self.paths.state_dir, pod_cidr=NETNS_POD_CIDR)
@@ -577,7 +589,13 @@ class _Inside:
         self.teardown.callback(self._stop_pods, self.runner)
         omni = (REPO / "examples" / OMNI.example).read_text()
         self.reporter.say(f"$ cat examples/{OMNI.example}\n{omni.rstrip()}")
-        files = [a for m in DEMO_MODELS for a in ("-f", f"examples/{m.example}")]
+        if self.vllm_omni:
+            self.reporter.status = "building (or reusing) the vLLM-Omni environment and the tiny model it serves"
+            ensure_vllm_omni_env()
+            from omnimodel_runtime.tiny import ensure_tiny
+
+            ensure_tiny("text-to-image", cache_root() / "models")
+        files = [a for m in self.models for a in ("-f", f"examples/{m.example}")]
         out = self.kubectl("apply", "-n", NAMESPACE, *[str(REPO / f) if f != "-f" else f for f in files])
         self.reporter.say(f"$ kubectl apply -n {NAMESPACE} {' '.join(files)}\n{out.rstrip()}")
 
@@ -605,7 +623,7 @@ class _Inside:
         def all_ready() -> bool:
             show_if_changed("omni", ("get", "omni", "-n", NAMESPACE), strip_age=True)
             show_if_changed("pods", self._pods_args(), strip_age=False)
-            pending = [m.name for m in DEMO_MODELS if not self.model_ready(m.name)]
+            pending = [m.name for m in self.models if not self.model_ready(m.name)]
             self.reporter.status = f"Ready=False: {', '.join(pending)}" if pending else ""
             return not pending
 
@@ -618,8 +636,12 @@ class _Inside:
 
         def warm() -> bool:
             waiting = []
-            for m in DEMO_MODELS:
+            for m in self.models:
                 body = _health(self.gateway(m))
+                if m is VLLM_IMAGE:
+                    if body is None:  # vLLM-Omni's /health: 200 once every stage has a live replica
+                        waiting.append(f"{m.name} (vLLM-Omni head and replica starting)")
+                    continue
                 if body is None or body.get("status") != "ok":
                     cold = [n for n, s in ((body or {}).get("stages") or {}).items() if not s.get("ready")]
                     waiting.append(f"{m.name} ({', '.join(cold) or 'gateway starting'})")
@@ -627,7 +649,10 @@ class _Inside:
             return not waiting
 
         self.poll("every gateway /health 200 (all stages loaded and warm)", warm, timeout=300, interval=1.0)
-        for m in DEMO_MODELS:
+        for m in self.models:
+            if m is VLLM_IMAGE:
+                self.reporter.say(f"{self.gateway(m)}/health: 200 (vLLM-Omni: every stage has a live replica)")
+                continue
             body = _health(self.gateway(m)) or {}
             stages = ", ".join(f"{n} {len(s.get('endpoints', []))} endpoint(s)" for n, s in body["stages"].items())
             self.reporter.say(f"{self.gateway(m)}/health: 200 ({stages})")
@@ -720,6 +745,33 @@ class _Inside:
         path = self.paths.out / "image.png"
         path.write_bytes(data)
         self.reporter.say(f"image: {path}  ({width}x{height} PNG; encode -> denoise (4 steps) -> decode, one pod each)")
+
+    def vllm_images(self) -> None:
+        """Four images through vLLM-Omni's API Service; the head's own log names the replica of each."""
+        assert self.runner is not None
+        client = self.client(VLLM_IMAGE)
+        (model,) = [m.id for m in client.models.list().data]
+        self.reporter.say(f"client.images.generate(model='{model}', ...) x4 through {self.gateway(VLLM_IMAGE)}")
+        for i in range(4):
+            result = client.images.generate(model=model, prompt=f"a cube {i}", size="64x64", response_format="b64_json")
+            if not result.data or not result.data[0].b64_json:
+                raise StepError("the vLLM-Omni answer has no image")
+            path = self.paths.out / f"vllm-omni-{i}.png"
+            path.write_bytes(base64.b64decode(result.data[0].b64_json))
+        heads = [p for p in self.runner.processes("vllm-image-dit-") if "replicas" not in p.name]
+        served = (
+            re.findall(
+                r"\[StageDiffusionClient\] stage-0 \[rep-(\d+)\] add request",
+                heads[0].log_path.read_text(errors="replace"),
+            )
+            if heads
+            else []
+        )
+        self.reporter.say(
+            f"4 PNGs in {self.paths.out}/vllm-omni-*.png; the head's log: requests went to replica(s) "
+            f"{', '.join(served[-4:])} (0 = the head pod's own, 1 = the headless replica pod)"
+        )
+        self.reporter.say(self.kubectl(*self._pods_args()).rstrip())
 
     def thinkers(self) -> list[PodProcess]:
         assert self.runner is not None

@@ -107,3 +107,12 @@ def test_schema_rejects_what_the_models_reject() -> None:
     doc["spec"]["stages"][0]["replicas"] = -1
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, openapi_schema())
+
+
+def test_bounds_are_written_the_openapi_v3_way() -> None:
+    """Kubernetes reads exclusiveMinimum/exclusiveMaximum as booleans beside minimum/maximum (OpenAPI v3);
+    JSON Schema 2020's numeric form makes the API server refuse the whole CRD."""
+    for _, node in walk(openapi_schema()):
+        for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if flag in node:
+                assert node[flag] is True and bound in node, node
