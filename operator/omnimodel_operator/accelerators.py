@@ -42,7 +42,6 @@ class AcceleratorSpec:
     presence_labels: Mapping[str, str]
     # Suffix of the runtime image tag built for this vendor (docker/runtime.*.Dockerfile).
     image_variant: str
-    # The env var the engine reads to pick devices; set by the device plugin, listed for docs/debug.
     # Value of OMNIMODEL_DEVICE inside the pod: the torch device family the runtime should use.
     torch_device: str
     # Extra env the engines need on this vendor.
