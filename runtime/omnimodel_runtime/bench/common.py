@@ -180,6 +180,13 @@ def _processes(commands: list[tuple[str, list[str]]], workdir: Path) -> Iterator
                 proc.wait()
         for log in logs:
             log.close()
+        keep = os.environ.get("OMNIMODEL_BENCH_LOGS")
+        if keep:  # the processes' logs outlive the benchmark's temporary directory
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for name, _ in commands:
+                src = workdir / f"{name}.log"
+                if src.is_file():
+                    (Path(keep) / f"{workdir.name}-{name}.log").write_bytes(src.read_bytes())
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], workdir: Path, timeout: float) -> None:
