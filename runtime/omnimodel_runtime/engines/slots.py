@@ -149,9 +149,32 @@ class SlotDecoder:
         self._positions = torch.arange(self.capacity, device=self.device)
         self._slot_ids = torch.arange(slots, device=self.device)
         self._head_ids = torch.arange(self.kv_heads, device=self.device)
+        self._mrope = self._probe_rotary()
         self.graphs = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    def _probe_rotary(self) -> bool:
+        """Whether the rotary embedding wants (3, rows, 1) positions (multimodal RoPE in the transformers
+        releases that do not expand plain positions themselves)."""
+        x = self._embeds[:1].unsqueeze(1)
+        try:
+            self.body.rotary_emb(x, self._rope[:1].unsqueeze(1))
+        except (IndexError, RuntimeError):
+            self.body.rotary_emb(x, self._rope[:1].view(1, 1, 1).expand(3, 1, 1))
+            return True
+        return False
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (rows, 1, head_dim) for ``positions`` (rows,). Text positions are the same in
+        all three multimodal-RoPE sections, so any section's cos/sin is the answer."""
+        ids = positions.unsqueeze(1)
+        if self._mrope:
+            ids = ids.unsqueeze(0).expand(3, -1, -1)
+        cos, sin = self.body.rotary_emb(x, ids)
+        if cos.ndim == 4:  # (3, rows, 1, dim): the sections are recombined in the attention there
+            cos, sin = cos[0], sin[0]
+        return cos, sin
 
     # ------------------------------------------------------------------ slots
 
@@ -230,7 +253,7 @@ class SlotDecoder:
         group = heads // kv_heads
         x = self._embeds[:rows].unsqueeze(1)  # (rows, 1, hidden)
         index = self._index[:rows]
-        cos, sin = self.body.rotary_emb(x, self._rope[:rows].unsqueeze(1))  # (rows, 1, dim)
+        cos, sin = self._rotary(x, self._rope[:rows])  # (rows, 1, dim)
         future = self._positions[:length].unsqueeze(0) > index.unsqueeze(1)  # (rows, length)
         bias = torch.zeros((rows, length), dtype=torch.float32, device=self.device).masked_fill_(future, float("-inf"))
         bias = bias.view(rows, 1, 1, length)
