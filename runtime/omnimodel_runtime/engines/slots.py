@@ -150,6 +150,9 @@ class SlotDecoder:
         self._slot_ids = torch.arange(slots, device=self.device)
         self._head_ids = torch.arange(self.kv_heads, device=self.device)
         self._mrope = self._probe_rotary()
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        # RMSNorm as one fused op where every norm is the usual float32 one (7 eager kernels otherwise).
+        self._fused_norm = all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in [*norms, body.norm])
         self.graphs = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -164,6 +167,14 @@ class SlotDecoder:
             self.body.rotary_emb(x, self._rope[:1].view(1, 1, 1).expand(3, 1, 1))
             return True
         return False
+
+    def _rms(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)``: Hugging Face's RMSNorm (float32 statistics, weight applied in the input dtype)."""
+        if not self._fused_norm:
+            out: torch.Tensor = norm(x)
+            return out
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=float(norm.variance_epsilon))
+        return norm.weight * normed.to(x.dtype)
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (rows, 1, head_dim) for ``positions`` (rows,). Text positions are the same in
@@ -262,7 +273,7 @@ class SlotDecoder:
         flat = flat.reshape(-1)
         for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self._rms(layer.input_layernorm, x)
             q = attn.q_proj(h).view(rows, heads, dim)
             k = attn.k_proj(h).view(rows, kv_heads, dim)
             v = attn.v_proj(h).view(rows, kv_heads, dim)
@@ -274,8 +285,8 @@ class SlotDecoder:
             probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(v.dtype)
             out = torch.matmul(probs, values[:rows, :, :length]).reshape(rows, 1, heads * dim)
             x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.body.norm(x)[:, 0]
+            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
+        hidden = self._rms(self.body.norm, x)[:, 0]
         logits = self.head(hidden).float()
         return hidden, logits
 

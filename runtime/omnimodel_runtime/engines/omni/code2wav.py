@@ -79,10 +79,23 @@ log = logging.getLogger(__name__)
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
-# a chunk of 2 blocks with 2 blocks of left context and 1 block of look-ahead (vLLM-Omni's geometry); the
-# vocoder gets 24 mel frames of context on each side, which covers BigVGAN's receptive field at the
-# released kernel and dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
-CHUNK_DEFAULTS: dict[str, int] = {"chunk_blocks": 2, "left_blocks": 2, "lookahead_blocks": 1, "vocoder_context": 24}
+# the first chunk is 1 block (the first audio needs 1 + 1 look-ahead blocks of codes), later ones 2 blocks
+# (vLLM-Omni's geometry), each with 2 blocks of left context and 1 block of look-ahead; the vocoder gets 24
+# mel frames of context on each side, which covers BigVGAN's receptive field at the released kernel and
+# dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
+#
+# A stream that has fallen behind (more codes waiting than one chunk) takes a larger chunk, up to
+# ``max_chunk_blocks``, doubling from ``chunk_blocks``: a DiT pass costs about the same whatever its
+# window's length (36 evaluations of ~1000 small kernels each), so larger chunks cut the passes a stream
+# needs while the audio stays the same (the window always covers the DiT's reach: 2 blocks back, 1 ahead).
+CHUNK_DEFAULTS: dict[str, int] = {
+    "first_chunk_blocks": 1,
+    "chunk_blocks": 2,
+    "max_chunk_blocks": 8,
+    "left_blocks": 2,
+    "lookahead_blocks": 1,
+    "vocoder_context": 24,
+}
 
 
 def sample_mel(
@@ -180,22 +193,40 @@ class ChunkPlan:
     """Chunk geometry in codes (one DiT block = ``block`` codes) and vocoder context in mel frames."""
 
     block: int
-    chunk: int
+    chunk: int  # a chunk's usual size
     left: int
     lookahead: int
     vocoder_context: int
+    first: int = 0  # the first chunk's size (default: ``chunk``)
+    sizes: tuple[int, ...] = ()  # chunk sizes a stream that is behind may take, ascending (default: ``chunk``)
 
     @classmethod
     def from_args(cls, dit_config: Any, args: dict[str, Any]) -> ChunkPlan:
         values = {**CHUNK_DEFAULTS, **{k: int(v) for k, v in args.items() if k in CHUNK_DEFAULTS}}
         block = max(1, int(dit_config.block_size) // int(dit_config.repeats))
+        chunk = block * max(1, values["chunk_blocks"])
+        sizes = [chunk]
+        while sizes[-1] * 2 <= block * values["max_chunk_blocks"]:
+            sizes.append(sizes[-1] * 2)
         return cls(
             block=block,
-            chunk=block * max(1, values["chunk_blocks"]),
+            chunk=chunk,
             left=block * values["left_blocks"],
             lookahead=block * values["lookahead_blocks"],
             vocoder_context=values["vocoder_context"],
+            first=block * max(1, values["first_chunk_blocks"]),
+            sizes=tuple(sizes),
         )
+
+    def windows(self) -> set[int]:
+        """Window lengths (codes) of a stream's chunks away from its end: the first, the second (whose left
+        context is the first chunk only), then the steady ones."""
+        first, sizes = self.first or self.chunk, self.sizes or (self.chunk,)
+        out = {first + self.lookahead}
+        for size in sizes:
+            out.add(min(first, self.left) + size + self.lookahead)
+            out.add(self.left + size + self.lookahead)
+        return out
 
 
 class OmniCode2WavEngine(OmniEngine):
@@ -238,8 +269,7 @@ class OmniCode2WavEngine(OmniEngine):
             # keep more mantissa than the weights have and run several times faster.
             torch.backends.cuda.matmul.allow_tf32 = True
         self._mels = _MelRunner(self, max_rows=int(self.args.get("dit_batch", 4)), graphs=self.graphs)
-        # Windows of a steady stream: the first (chunk + look-ahead), then left context + chunk + look-ahead.
-        self._mels.shapes = {plan.chunk + plan.lookahead, plan.left + plan.chunk + plan.lookahead}
+        self._mels.shapes = plan.windows()
         default = self.speakers[self.speakers.default]
         self._mels.capture_all(int(default["ref_mel"].shape[1]))
 
@@ -472,11 +502,26 @@ class _Chunked:
         return self.ended and self.chunk_start >= len(self.codes)
 
     def window(self) -> _Window | None:
-        """The next chunk's DiT window, once its look-ahead has arrived (or the codes have ended)."""
+        """The next chunk's DiT window, once its look-ahead has arrived (or the codes have ended): the first
+        chunk's size at the start, else the largest size whose look-ahead is here (all the rest, up to the
+        largest size, once the codes have ended)."""
         plan, start, codes = self.plan, self.chunk_start, self.codes
-        if not (start < len(codes) and (self.ended or len(codes) >= start + plan.chunk + plan.lookahead)):
+        if start >= len(codes):
             return None
-        end = min(start + plan.chunk, len(codes))
+        sizes = plan.sizes or (plan.chunk,)
+        waiting = len(codes) - start
+        if start == 0:
+            size = plan.first or plan.chunk
+            if not self.ended and waiting < size + plan.lookahead:
+                return None
+        elif self.ended:
+            size = min(waiting, sizes[-1])
+        else:
+            fitting = [s for s in sizes if s + plan.lookahead <= waiting]
+            if not fitting:
+                return None
+            size = fitting[-1]
+        end = min(start + size, len(codes))
         lo, hi = max(0, start - plan.left), min(len(codes), end + plan.lookahead)
         device = self.engine.device
         window = torch.tensor(codes[lo:hi], dtype=torch.long, device=device)
