@@ -89,7 +89,7 @@ TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "s
 # window's length (36 evaluations of ~1000 small kernels each), so larger chunks cut the passes a stream
 # needs while the audio stays the same (the window always covers the DiT's reach: 2 blocks back, 1 ahead).
 CHUNK_DEFAULTS: dict[str, int] = {
-    "first_chunk_blocks": 1,
+    "first_chunk_blocks": 2,
     "chunk_blocks": 2,
     "max_chunk_blocks": 8,
     "left_blocks": 2,
