@@ -79,15 +79,17 @@ log = logging.getLogger(__name__)
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
-# the first chunk is 1 block (the first audio needs 1 + 1 look-ahead blocks of codes), later ones 2 blocks
-# (vLLM-Omni's geometry), each with 2 blocks of left context and 1 block of look-ahead; the vocoder gets 24
+# chunks of 2 blocks (vLLM-Omni's geometry; the first may be set apart with ``first_chunk_blocks``: 1 block
+# leaves nothing to vocode until the second chunk, whose audio needs the vocoder's right context), each
+# with 2 blocks of left context and 1 block of look-ahead; the vocoder gets 24
 # mel frames of context on each side, which covers BigVGAN's receptive field at the released kernel and
 # dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
 #
 # A stream that has fallen behind (more codes waiting than one chunk) takes a larger chunk, up to
 # ``max_chunk_blocks``, doubling from ``chunk_blocks``: a DiT pass costs about the same whatever its
-# window's length (36 evaluations of ~1000 small kernels each), so larger chunks cut the passes a stream
-# needs while the audio stays the same (the window always covers the DiT's reach: 2 blocks back, 1 ahead).
+# window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
+# cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
+# audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
 CHUNK_DEFAULTS: dict[str, int] = {
     "first_chunk_blocks": 2,
     "chunk_blocks": 2,
