@@ -174,7 +174,8 @@ class SlotDecoder:
             out: torch.Tensor = norm(x)
             return out
         normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=float(norm.variance_epsilon))
-        return norm.weight * normed.to(x.dtype)
+        weighted: torch.Tensor = norm.weight * normed.to(x.dtype)
+        return weighted
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (rows, 1, head_dim) for ``positions`` (rows,). Text positions are the same in
