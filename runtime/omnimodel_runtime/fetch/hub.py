@@ -84,7 +84,7 @@ def _hides_revision(api: Any, repo: str, revision: str, err: BaseException) -> b
     if type(err).__name__ != "RepositoryNotFoundError" or revision == "main":
         return False
     try:
-        api.model_info(repo)
+        api.model_info(repo, revision="main")
     except Exception:
         return False
     return True
