@@ -237,9 +237,7 @@ def stage_view(
     index names). Views are shared by processes and kept: the same inputs give the same directory.
     """
     root = root or views_root()
-    digest = hashlib.sha256(
-        json.dumps([str(snapshot), sorted(files), index, list(prefixes)]).encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps([str(snapshot), sorted(files), index, list(prefixes)]).encode()).hexdigest()[:16]
     target = root / f"{label}-{digest}"
     if (target / VIEW_MARKER).is_file():
         return target

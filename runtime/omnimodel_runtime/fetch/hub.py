@@ -40,7 +40,7 @@ def _hf() -> Any:
         import huggingface_hub  # noqa: PLC0415  (optional dependency)
         import huggingface_hub.constants  # noqa: PLC0415
         import huggingface_hub.hf_api  # noqa: PLC0415
-        from huggingface_hub.utils import disable_progress_bars  # noqa: PLC0415
+        from huggingface_hub.utils.tqdm import disable_progress_bars  # noqa: PLC0415
     except ImportError as err:
         raise ExtraMissingError(what="hf:// model sources", extra="transformers", cause=err) from err
     disable_progress_bars()  # our own progress lines replace them

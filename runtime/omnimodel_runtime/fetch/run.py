@@ -110,7 +110,7 @@ def _download(plan: WeightsPlan, cache: Path, progress: FetchProgress, workers: 
             log.info("fetched %s (%d bytes)", path, union[path])
 
         futures = [pool.submit(one, path) for path in missing]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
             if future.done() and future.exception() is not None:
                 for other in futures:
@@ -162,7 +162,9 @@ def weights_status(pipeline: Pipeline, cache: Path, stage: str) -> WaitStatus:
     if marker is None:
         error = layout.read_error(cache, repo)
         failed = f"; the last fetch failed: {error['reason']}: {error['message']}" if error else ""
-        return WaitStatus(False, f"waiting for {where}: no completion marker in {layout.marker_dir(cache, repo)}{failed}")
+        return WaitStatus(
+            False, f"waiting for {where}: no completion marker in {layout.marker_dir(cache, repo)}{failed}"
+        )
     try:
         plan = plan_from_marker(marker, [pipeline.stage(stage)], cache)
     except WeightsError as err:
@@ -248,8 +250,13 @@ def stage_model_dir(source: ModelSource, stage: Stage | None, cache: Path | None
         log.info("stage %s loads %s@%s from the cache %s (%s)", name, repo, marker.sha, cache, plan.summary())
         return _view(plan, cache, key)
     if hub.offline():
-        log.info("stage %s: no fetched %s@%s in %s and HF_HUB_OFFLINE is set: using the local snapshot",
-                 name, repo, revision, cache)
+        log.info(
+            "stage %s: no fetched %s@%s in %s and HF_HUB_OFFLINE is set: using the local snapshot",
+            name,
+            repo,
+            revision,
+            cache,
+        )
         return hub.local_snapshot(repo, revision)
     cache.mkdir(parents=True, exist_ok=True)
     plan = plan_from_hub(source, stages or [_whole(source)], cache)

@@ -137,9 +137,7 @@ def select_files(
     return tuple(sorted(chosen))
 
 
-def _checkpoint_files(
-    prefixes: tuple[str, ...], listing: list[str], weight_map: Mapping[str, str] | None
-) -> set[str]:
+def _checkpoint_files(prefixes: tuple[str, ...], listing: list[str], weight_map: Mapping[str, str] | None) -> set[str]:
     index = checkpoint_index(listing)
     if index is None:
         single = next((name for name in SINGLE_CHECKPOINTS if name in listing), None)

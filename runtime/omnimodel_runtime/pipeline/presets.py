@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
+from omnimodel_runtime.pipeline.files import StageFiles
 from omnimodel_runtime.pipeline.graph import (
     AcceleratorRequest,
     EngineName,
@@ -23,7 +24,6 @@ from omnimodel_runtime.pipeline.graph import (
     StageKind,
     Vendor,
 )
-from omnimodel_runtime.pipeline.files import StageFiles
 
 # Fields of a preset stage that an override may replace. ``inputs``/``kind``/``task``/``outputs``
 # define the graph itself, which the runtime's orchestration depends on, so presets keep them.

@@ -199,9 +199,22 @@ def test_fetch_serves_its_progress_while_it_runs(bed: Bed, tmp_path: Path) -> No
     bed.mirror.set_rate(total // 4)  # about four seconds
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "omnimodel_runtime", "fetch", "--pipeline", str(path), "--cache-dir",
-             str(tmp_path / "cache"), "--termination-log", str(tmp_path / "term"), "--progress-port", str(port),
-             "--log-interval", "1"],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "omnimodel_runtime",
+                "fetch",
+                "--pipeline",
+                str(path),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--termination-log",
+                str(tmp_path / "term"),
+                "--progress-port",
+                str(port),
+                "--log-interval",
+                "1",
+            ],
             env=hub_env(bed),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -261,7 +274,9 @@ def test_a_missing_revision_or_repository_is_not_found(bed: Bed, tmp_path: Path)
 
 
 def test_an_unreachable_endpoint_is_a_network_failure(bed: Bed, tmp_path: Path) -> None:
-    rc, message, _ = fetch(bed, tmp_path, bed.pipeline(T2I), tmp_path / "c", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    rc, message, _ = fetch(
+        bed, tmp_path, bed.pipeline(T2I), tmp_path / "c", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}"
+    )
     assert rc == 1
     assert message.startswith("Network: cannot reach"), message
 
@@ -321,9 +336,12 @@ def test_fetch_then_serve_answers_an_image_request_offline(bed: Bed, tmp_path: P
     env = {k: v for k, v in env.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=bed.mirror.url, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     serve = RuntimeProcess(
-        "serve", ["serve", "--preset", "text-to-image", "--model", f"hf://{T2I}"], log_dir=tmp_path, env=env,
+        "serve",
+        ["serve", "--preset", "text-to-image", "--model", f"hf://{T2I}"],
+        log_dir=tmp_path,
+        env=env,
         port=free_port(),
-    )  # fmt: skip
+    )
     with running(serve):
         serve.wait_healthy(timeout=180)
         resp = httpx.post(
@@ -350,8 +368,9 @@ def test_a_stage_process_without_a_cache_loads_what_it_downloaded(bed: Bed, tmp_
     env = {k: v for k, v in env.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=bed.mirror.url, HF_HUB_CACHE=str(tmp_path / "emptydir"))
     mark = bed.mirror.log_mark()
-    stage = RuntimeProcess("decode", ["stage", "--pipeline", str(path), "--stage", "decode"], log_dir=tmp_path,
-                           env=env, port=free_port())  # fmt: skip
+    stage = RuntimeProcess(
+        "decode", ["stage", "--pipeline", str(path), "--stage", "decode"], log_dir=tmp_path, env=env, port=free_port()
+    )
     with running(stage):
         stage.wait_healthy(timeout=180)
     assert bed.mirror.downloads(since=mark) == bed.expected(T2I, "decode")

@@ -72,7 +72,11 @@ def test_no_file_set_means_every_file() -> None:
 
 
 def test_tensor_prefixes_pick_the_shards_the_index_maps_them_to() -> None:
-    listing = ["config.json", "model.safetensors.index.json", *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))]
+    listing = [
+        "config.json",
+        "model.safetensors.index.json",
+        *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)),
+    ]
     weight_map = {
         "thinker.a": "model-00001-of-00003.safetensors",
         "thinker.b": "model-00002-of-00003.safetensors",

@@ -124,9 +124,15 @@ def test_a_stage_loads_a_view_of_only_its_files(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(hub, "download_file", _no_network)
     view = run.stage_model_dir(pipeline.model, pipeline.stage("decode"), cache)
     found = sorted(str(p.relative_to(view)) for p in view.rglob("*") if p.is_file() and p.name != layout.VIEW_MARKER)
-    assert found == ["model_index.json", "transformer/config.json", "vae/config.json",
-                     "vae/diffusion_pytorch_model.safetensors"]  # fmt: skip
-    assert (view / "vae/diffusion_pytorch_model.safetensors").read_bytes() == T2I["vae/diffusion_pytorch_model.safetensors"]
+    assert found == [
+        "model_index.json",
+        "transformer/config.json",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors",
+    ]
+    assert (view / "vae/diffusion_pytorch_model.safetensors").read_bytes() == T2I[
+        "vae/diffusion_pytorch_model.safetensors"
+    ]
     assert run.stage_model_dir(pipeline.model, pipeline.stage("decode"), cache) == view  # reused
 
 
