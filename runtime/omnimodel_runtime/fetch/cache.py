@@ -244,6 +244,7 @@ def stage_view(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the view from another user of the same /tmp
         for path in files:
             link = tmp / path
             link.parent.mkdir(parents=True, exist_ok=True)
