@@ -117,7 +117,7 @@ class Mirror:
             raw += [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": payload if scope["method"] != "HEAD" else b""})
-            entry.update(status=status, bytes=len(payload), refused=True)
+            entry.update(status=status, bytes=0 if scope["method"] == "HEAD" else len(payload), refused=True)
             self._log(entry)
             return
         rate = control.get("rate_bytes_per_s")

@@ -290,14 +290,20 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     try:
         pipeline = _load(args.pipeline)
     except Exception as err:
-        _write_termination(args.termination_log, f"Invalid: {err}")
+        _write_termination(args.termination_log, "Invalid: " + " ".join(str(err).split()))
         raise
     cache = args.cache_dir or default_cache_dir()
     progress = FetchProgress(pipeline.model.source)
     server = None
     if args.progress_port is not None:
         host = args.progress_host or _settings(args).host
-        server = ProgressServer(progress, host, args.progress_port).start()
+        try:
+            server = ProgressServer(progress, host, args.progress_port).start()
+        except OSError as err:
+            message = f"Invalid: cannot serve /progress on {host}:{args.progress_port}: {err}"
+            _write_termination(args.termination_log, message)
+            print(f"omnimodel fetch: {message}", file=sys.stderr)
+            return EXIT_CONFIG
         log.info("progress on http://%s:%d/progress", host, server.port)
     try:
         with Ticker(progress, max(0.5, args.log_interval)):

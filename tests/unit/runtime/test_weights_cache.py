@@ -241,3 +241,38 @@ def test_failures_are_classified(error: BaseException, reason: str, monkeypatch:
 
 def _no_network(*args: object, **kwargs: object) -> None:
     raise AssertionError("the network was used")
+
+
+def test_the_fetch_command_writes_its_outcome_to_the_termination_log(tmp_path: Path) -> None:
+    from omnimodel_runtime import cli
+
+    pipeline = get_preset("tts").pipeline(ModelSource(source="tiny://tts"))
+    path = tmp_path / "pipeline.json"
+    path.write_text(pipeline.to_json())
+    term = tmp_path / "term"
+    args = ["fetch", "--pipeline", str(path), "--cache-dir", str(tmp_path / "c"), "--termination-log", str(term)]
+    assert cli.main(args) == 0
+    assert term.read_text().startswith("Skipped: ")
+    assert cli.main(["wait-weights", "--pipeline", str(path), "--stage", "vocoder", "--timeout", "0"]) == 0
+
+    path.write_text("{not json")
+    assert cli.main(args) == cli.EXIT_CONFIG
+    assert term.read_text().startswith("Invalid: ")
+    assert term.read_text().count("\n") == 1
+
+
+def test_a_taken_progress_port_is_a_configuration_error(tmp_path: Path) -> None:
+    import socket
+
+    from omnimodel_runtime import cli
+
+    path = tmp_path / "pipeline.json"
+    path.write_text(get_preset("tts").pipeline(ModelSource(source="tiny://tts")).to_json())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        term = tmp_path / "term"
+        args = ["fetch", "--pipeline", str(path), "--termination-log", str(term), "--progress-port", str(port)]
+        assert cli.main(args) == cli.EXIT_CONFIG
+    assert term.read_text().startswith(f"Invalid: cannot serve /progress on 127.0.0.1:{port}")
