@@ -134,6 +134,8 @@ def classify(err: BaseException, *, repo: str, revision: str, path: str | None =
     for e in chain:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return WeightsError(NO_SPACE, f"the cache volume is full while writing {where}: {e}")
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return WeightsError(FAILED, f"the cache is not writable ({e}) while fetching {where}")
     status = next((s for s in (_status(e) for e in chain) if s is not None), None)
     detail = _server_message(chain)
     if "GatedRepoError" in names:

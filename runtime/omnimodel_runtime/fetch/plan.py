@@ -124,7 +124,9 @@ def plan_from_hub(source: ModelSource, stages: Iterable[Stage], cache: Path) -> 
     repo = hf_repo(source)
     assert repo is not None
     revision = revision_of(source)
-    sha = hub.resolve_revision(repo, revision)
+    # A pinned sha already fetched needs no lookup; a branch or tag is resolved every time (it may move).
+    pinned = layout.FULL_SHA.match(revision) is not None and layout.read_marker(cache, repo, revision) is not None
+    sha = revision if pinned else hub.resolve_revision(repo, revision)
     marker = layout.read_marker(cache, repo, sha)
     repo_files = marker.repo_files if marker is not None else hub.list_files(repo, sha)
 

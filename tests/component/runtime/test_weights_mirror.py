@@ -182,6 +182,12 @@ def test_fetch_once_then_replicas_and_restarts_fetch_nothing(bed: Bed, tmp_path:
     assert bed.mirror.downloads(since=mark) == {}
     assert {e.path for e in entries if e.repo} == {f"/api/models/{T2I}/revision/main"}  # the sha lookup only
 
+    # Pinned to the sha it fetched, not even that lookup.
+    mark = bed.mirror.log_mark()
+    rc, message, stderr = fetch(bed, tmp_path, bed.pipeline(T2I, revision=bed.shas[T2I]), cache)
+    assert rc == 0, stderr
+    assert [e for e in bed.mirror.access_log(since=mark) if e.repo] == []
+
     # Two replicas of the decode stage, and one restarted: the cache only, not one request to the mirror.
     mark = bed.mirror.log_mark()
     for _replica in range(3):

@@ -219,12 +219,17 @@ def test_a_pinned_sha_is_found_without_a_ref(tmp_path: Path, monkeypatch: pytest
     run.fetch_pipeline(t2i(revision=SHA), tmp_path)
     assert run.weights_status(t2i(revision=SHA), tmp_path, "decode").ready
     assert not (layout.marker_dir(tmp_path, "acme/t2i") / "refs").exists()
+    # Fetched once, a pinned sha is not even looked up again.
+    monkeypatch.setattr(hub, "resolve_revision", _no_network)
+    monkeypatch.setattr(hub, "list_files", _no_network)
+    assert run.fetch_pipeline(t2i(revision=SHA), tmp_path).downloaded_bytes == 0
 
 
 @pytest.mark.parametrize(
     ("error", "reason"),
     [
         (OSError(errno.ENOSPC, "No space left on device"), "NoSpace"),
+        (OSError(errno.EROFS, "Read-only file system"), "Failed"),
         (ConnectionRefusedError(111, "Connection refused"), "Network"),
         (TimeoutError("timed out"), "Network"),
         (RuntimeError("boom"), "Failed"),
