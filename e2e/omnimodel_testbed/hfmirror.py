@@ -13,7 +13,7 @@ repositories: private repositories with tokens and an access log (bytes per file
     env = {"HF_ENDPOINT": mirror.url, "HF_TOKEN": "hf_good"}
     ...
     mirror.downloads(since=mark)                                # {file: bytes} of resolve GETs
-    mirror.stop()
+    mirror.stop()                                               # by PID; HubMirror.attach(root) from elsewhere
 """
 
 from __future__ import annotations
@@ -136,7 +136,21 @@ class HubMirror:
             cwd=self.root,
         )
         procs.wait_until(f"the mirror on {self.url}", self._answers, timeout=timeout, interval=0.2, watch=[self.record])
+        state = {"host": self.host, "port": self.port, "url": self.url, "process": self.record.to_json()}
+        (self.root / "mirror.json").write_text(json.dumps(state, indent=2) + "\n")
         return self
+
+    @classmethod
+    def attach(cls, root: Path) -> HubMirror:
+        """The mirror another process started on ``root`` (from ``root/mirror.json``), to use or stop it."""
+        state = json.loads((root / "mirror.json").read_text())
+        mirror = cls(root, host=state["host"], port=int(state["port"]))
+        mirror.record = procs.ProcessRecord.from_json(state["process"])
+        return mirror
+
+    @property
+    def running(self) -> bool:
+        return self.record is not None and procs.is_alive(self.record)
 
     def _answers(self) -> bool:
         """Any answer below 500 from olah (an absent repository is a 401, as on the Hub)."""
@@ -147,9 +161,11 @@ class HubMirror:
             return err.code < 500
 
     def stop(self) -> None:
+        """Stop the mirror by its PID (checked against the recorded start time, never another process)."""
         if self.record is not None:
             procs.stop([self.record], grace=5.0)
             self.record = None
+            (self.root / "mirror.json").unlink(missing_ok=True)
 
     def __enter__(self) -> HubMirror:
         return self.start()

@@ -63,6 +63,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator
     }
     dirs[PRIVATE] = dirs[TTS]
     mirror = HubMirror(root / "mirror", host="127.0.0.7").start()
+    assert HubMirror.attach(root / "mirror").running  # what another process (a cluster fixture) would do
     try:
         shas = {repo: mirror.publish(path, repo) for repo, path in dirs.items()}
         mirror.require_token(PRIVATE, GOOD_TOKEN)
