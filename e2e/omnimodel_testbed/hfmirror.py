@@ -135,7 +135,13 @@ class HubMirror:
             env=env,
             cwd=self.root,
         )
-        procs.wait_until(f"the mirror on {self.url}", self._answers, timeout=timeout, interval=0.2, watch=[self.record])
+        try:
+            procs.wait_until(
+                f"the mirror on {self.url}", self._answers, timeout=timeout, interval=0.2, watch=[self.record]
+            )
+        except BaseException:
+            self.stop()  # never leave a mirror running that nobody holds a record of
+            raise
         state = {"host": self.host, "port": self.port, "url": self.url, "process": self.record.to_json()}
         (self.root / "mirror.json").write_text(json.dumps(state, indent=2) + "\n")
         return self
