@@ -67,6 +67,10 @@ test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component
 	$(MAKE) --no-print-directory e2e-demo
 	$(MAKE) --no-print-directory vllm-omni-catalogue-check
 
+.PHONY: hfmirror-env
+hfmirror-env: ## Build (or reuse) the cached environment of the test bed's Hugging Face mirror (olah); prints its path
+	e2e/hfmirror/setup-env
+
 .PHONY: vllm-omni-env
 vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
 	e2e/vllm-omni/setup-env
