@@ -31,6 +31,7 @@ from .binaries import Toolchain, cache_root, ensure_built
 from .kubeapi import ApiError, KubeAPI, http_get
 from .nodes import DEFAULT_FLEET, KWOK_ANNOTATION, AcceleratorSpecLike, FakeNode, build_nodes
 from .pki import FRONT_PROXY_CLIENT, PKI, generate_pki
+from .runnerpods import install_admission_policy, kwok_stages
 
 __all__ = ["POD_CIDR", "Cluster", "ClusterError", "ClusterState", "default_pod_cidr", "default_state_dir"]
 
@@ -395,6 +396,8 @@ class Cluster:
                 timeout=90,
                 watch=started,
             )
+            # Before any pod exists: pods of a pod runner's namespace are labelled for kwok to leave alone.
+            install_admission_policy(api)
             common = [
                 f"--kubeconfig={kubeconfig}",
                 f"--authentication-kubeconfig={kubeconfig}",
@@ -621,10 +624,10 @@ class Cluster:
                 "enablePodsOnNodeSyncStreamWatch": False,
             },
         }
-        docs = [yaml.safe_dump(kwok_cfg, sort_keys=False)]
-        docs += [p.read_text() for p in toolchain.stage_files()]
+        # kwok's own stages, with the pods a pod runner plays left out of them (runnerpods.py).
+        stages = kwok_stages([yaml.safe_load(p.read_text()) for p in toolchain.stage_files()])
         path = kwok_dir / "kwok.yaml"
-        path.write_text("\n---\n".join(d.strip() for d in docs) + "\n")
+        path.write_text(yaml.dump_all([kwok_cfg, *stages], Dumper=_BlockDumper, sort_keys=False))
         return path
 
     def _register_nodes(self, api: KubeAPI, toolchain: Toolchain) -> list[str]:
@@ -644,6 +647,17 @@ class Cluster:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state.to_json(), indent=2))
         tmp.replace(self.state_file)
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (kwok's status templates) as literal blocks, so kwok.yaml stays readable."""
+
+
+def _str_block(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_BlockDumper.add_representer(str, _str_block)
 
 
 def _nodes_ready(api: KubeAPI, names: Sequence[str]) -> bool:

@@ -1,7 +1,7 @@
 """A deliberately tiny Kubernetes REST client (stdlib only).
 
 The harness needs a handful of calls (readyz, create/list Nodes, get a
-ServiceAccount). Using ``http.client`` keeps it typed (the ``kubernetes``
+ServiceAccount, the pod runner's status patches). Using ``http.client`` keeps it typed (the ``kubernetes``
 package ships no type information), free of global configuration state, and
 independent of whatever kubeconfig the caller has loaded elsewhere.
 """
@@ -45,7 +45,9 @@ class KubeAPI:
         ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
         return ctx
 
-    def raw(self, method: str, path: str, body: JSON | None = None) -> tuple[int, str]:
+    def raw(
+        self, method: str, path: str, body: JSON | None = None, content_type: str = "application/json"
+    ) -> tuple[int, str]:
         """Send one request; return (status, body text). Raises OSError on connection failure."""
         conn = http.client.HTTPSConnection(self.host, self.port, context=self._context(), timeout=self.timeout)
         try:
@@ -53,16 +55,16 @@ class KubeAPI:
             payload: bytes | None = None
             if body is not None:
                 payload = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
+                headers["Content-Type"] = content_type
             conn.request(method, path, body=payload, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.read().decode(errors="replace")
         finally:
             conn.close()
 
-    def request(self, method: str, path: str, body: JSON | None = None) -> JSON:
+    def request(self, method: str, path: str, body: JSON | None = None, content_type: str = "application/json") -> JSON:
         """Send one request and decode the JSON answer; raise ApiError unless 2xx."""
-        status, text = self.raw(method, path, body)
+        status, text = self.raw(method, path, body, content_type)
         if not 200 <= status < 300:
             raise ApiError(method, path, status, text)
         result: JSON = json.loads(text) if text else {}
@@ -75,6 +77,16 @@ class KubeAPI:
     def create(self, path: str, obj: JSON) -> JSON:
         """POST ``obj`` to the collection ``path``."""
         return self.request("POST", path, obj)
+
+    def patch(self, path: str, patch: JSON, *, strategic: bool = False) -> JSON:
+        """PATCH ``path``: a JSON merge patch, or a strategic merge patch (lists such as a pod's
+        ``conditions`` merged by key instead of replaced)."""
+        kind = "strategic-merge-patch" if strategic else "merge-patch"
+        return self.request("PATCH", path, patch, content_type=f"application/{kind}+json")
+
+    def delete(self, path: str) -> JSON:
+        """DELETE ``path``."""
+        return self.request("DELETE", path)
 
 
 def http_get(url_host: str, port: int, path: str, *, tls: bool, timeout: float = 2.0) -> int:

@@ -1,19 +1,46 @@
-"""Run pods' containers as local processes: the part of a kubelet the serving e2e needs.
+"""Run pods' containers as local processes: the part of a kubelet the e2e suites need.
 
-kwok makes pods Running and Ready without running anything. For tests that send real requests
-through a gateway pod to stage pods, :class:`PodRunner` starts each pod's container command as a
-process on this machine, bound to the pod's IP (inside the test bed's network namespace the pod CIDR
-is local), with the pod's env (values, Secret keys, the downward API's pod IP/name/namespace, and ``$(VAR)``
-references in command, args and env as the kubelet expands them), ConfigMap volumes written to files and
-emptyDirs as directories. Each pod process gets its own empty ``/dev/shm`` (a memory emptyDir mounted
-there sets its size), as every pod has in a cluster, so two pods can never meet through shared memory.
+kwok makes pods Running and Ready without running anything. For tests that send real requests through
+a gateway pod to stage pods, or that wait for a Job's pod to finish, :class:`PodRunner` plays the
+kubelet for every pod of its namespace: kwok only gives those pods an IP (``runnerpods``), and the
+runner runs their containers and writes their status.
+
+A pod's init containers run first, one after the other, each to its end; then its first container.
+Each is a process on this machine, bound to the pod's IP (inside the test bed's network namespace the
+pod CIDR is local), with the container's env (values, Secret keys, the downward API's pod
+IP/name/namespace, and ``$(VAR)`` references in command, args and env as the kubelet expands them).
+Volumes are host directories: ConfigMaps written to files, emptyDirs per pod, and a
+PersistentVolumeClaim the directory of the hostPath volume it is bound to (the runner binds the
+namespace's claims to volumes under ``claims_dir``, one directory per claim, shared by every pod that
+mounts it, as a ReadWriteMany volume is). The container's paths in its arguments and env values are
+rewritten to those directories (``subPath`` included); a read-only mount (``readOnly``, and ConfigMap,
+Secret, projected and downward API volumes, which the kubelet always mounts read-only) is read-only for
+the process, through a read-only bind mount in its own mount namespace. Each container also gets its own
+empty ``/dev/shm`` there (a memory emptyDir mounted there sets its size), so two pods can never meet
+through shared memory.
+
+The pod's status is the kubelet's: Pending while init containers run (``Initialized``/``Ready`` False,
+the running one ``running``, the others ``waiting``), Running and Ready once its first container has
+started. A container that exits is ``terminated`` with its exit code, reason ``Completed``/``Error`` and
+its termination message: the file at ``terminationMessagePath`` (``/dev/termination-log``, a file per
+container here), or with ``FallbackToLogsOnError`` the tail of its log when it failed and left the
+file empty. The pod then finishes as the kubelet decides: ``restartPolicy: Never`` makes it Succeeded
+or Failed (a failed init container fails the pod, and its first container never starts), ``OnFailure``
+restarts a failed container in place with the kubelet's back-off (immediately, then 10 s doubling to
+5 min; ``restartCount`` counts), as every policy but Never does for a failed init container. So the real
+Job controller sees its pods succeed, fail and count against ``backoffLimit`` and ``podFailurePolicy``.
 When a pod goes away, its process group is stopped (SIGTERM, then SIGKILL), as a container's processes
-all end with it.
+all end with it; so is a container's group when its process exits.
 
 Images are not emulated: the command runs from ``bin_dir`` (this checkout's venv), except a container
 whose command is ``vllm`` (the upstream vLLM-Omni image's entrypoint), which runs from the cached
 vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU platform plugin switched on.
-Not emulated either: resource limits, probes (kwok reports readiness), restarts of crashed processes.
+Not emulated either: resource limits; probes (a container is ready once started); containers after the
+first (reported running while it runs and Completed after it); sidecar init containers
+(``restartPolicy: Always``: reported running, not run); restarts of a ``restartPolicy: Always`` pod's
+container (it stays ``terminated`` and the pod unready, so a crash shows at once); a path the program
+names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded in a program is
+the host's); pods that existed before the runner served the namespace (kwok plays them, nothing runs).
 """
 
 from __future__ import annotations
@@ -27,18 +54,32 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from .kubeapi import KubeAPI
+from . import podstatus as ps
+from . import volumes as pv
+from .kubeapi import ApiError, KubeAPI
 from .netns import POD_INTERFACE
+from .runnerpods import RUNNER_LABEL, serve_namespace
 from .shm import DEFAULT_SHM_SIZE, private_shm_argv
 from .vllm_omni import VLLM_OMNI_CPU_ENV
 from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
 __all__ = ["PodProcess", "PodRunner", "expand_env_refs", "is_vllm_omni", "shm_size"]
+
+JSON = dict[str, Any]
+
+#: Where a container's termination message goes when its spec names no other path.
+TERMINATION_LOG: Final = "/dev/termination-log"
+#: The kubelet's restart back-off: the first restart at once, then 10 s, doubled per restart, at most 5 min.
+RESTART_BACKOFF: Final = 10.0
+MAX_RESTART_BACKOFF: Final = 300.0
+#: Volume sources the kubelet always mounts read-only.
+READ_ONLY_SOURCES: Final = ("configMap", "secret", "projected", "downwardAPI")
 
 #: Executables that mark a vLLM-Omni container: the upstream image's entrypoint (``vllm serve``) and the
 #: Mooncake master the operator runs beside it for its network connector.
@@ -107,16 +148,75 @@ log = logging.getLogger("omnimodel_testbed")
 
 @dataclass
 class PodProcess:
+    """One run of one container of a pod."""
+
     name: str
     uid: str
     ip: str
     proc: subprocess.Popen[bytes]
     log_path: Path
     argv: list[str] = field(default_factory=list)
+    container: str = ""
+    #: Where this run's output begins in ``log_path`` (a restarted container appends to its log).
+    log_offset: int = 0
+    started_at: str = ""
+
+
+@dataclass
+class _PodRun:
+    """What the runner knows of one pod it plays: the containers it runs in order (init containers, then
+    the first container), which one is at, and the status it last wrote."""
+
+    pod: JSON
+    root: Path
+    volumes: dict[str, Path]
+    order: list[JSON]
+    statuses: dict[str, JSON]
+    start_time: str
+    step: int = 0
+    process: PodProcess | None = None
+    #: The first container's latest process (what ``PodRunner.processes`` lists).
+    main: PodProcess | None = None
+    phase: str = "Pending"
+    restarts: dict[str, int] = field(default_factory=dict)
+    restart_at: float | None = None
+    conditions: list[JSON] = field(default_factory=list)
+    dirty: bool = True
+
+    @property
+    def name(self) -> str:
+        return str(self.pod["metadata"]["name"])
+
+    @property
+    def spec(self) -> JSON:
+        spec: JSON = self.pod["spec"]
+        return spec
+
+    @property
+    def ip(self) -> str:
+        return str(self.pod["status"]["podIP"])
+
+    @property
+    def at_main(self) -> bool:
+        return self.step == len(self.order) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ps.TERMINAL_PHASES
+
+
+def _run_order(spec: Mapping[str, Any]) -> list[JSON]:
+    # Sidecars (init containers with restartPolicy Always) are not run: see the module docstring.
+    init = [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]
+    return [*init, spec["containers"][0]]
 
 
 class PodRunner:
-    """Keeps one local process per running pod of ``namespace`` (optionally filtered by labels)."""
+    """Plays the kubelet for the pods of ``namespace``: runs their containers, writes their status.
+
+    ``claims_dir`` holds one directory per claim (``<claims_dir>/<namespace>/<claim>``) that the runner
+    binds to a volume (``bind_claims``); it defaults to ``<workdir>/_claims`` (no pod is named that).
+    """
 
     def __init__(
         self,
@@ -130,6 +230,8 @@ class PodRunner:
         interval: float = 0.3,
         vllm_omni_env: Callable[[], Path] = ensure_vllm_omni_env,
         on_start: Callable[[PodProcess], None] | None = None,
+        claims_dir: Path | None = None,
+        bind_claims: bool = True,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -143,14 +245,23 @@ class PodRunner:
         self.vllm_omni_env = vllm_omni_env
         # Told about every process right after it starts (e.g. to record its PID for a later cleanup).
         self.on_start = on_start
-        self.running: dict[str, PodProcess] = {}
+        self.claims_dir = claims_dir or workdir / "_claims"
+        self.bind_claims = bind_claims
+        self.pods: dict[str, _PodRun] = {}
+        #: Names of the pods whose first container started, in order.
         self.started: list[str] = []
+        #: PersistentVolumes this runner made for the namespace's claims (deleted by ``stop``).
+        self.bound_volumes: list[str] = []
+        self._unserved: set[str] = set()
+        self._errors: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Serve the namespace (pods created from now on are the runner's) and start syncing."""
+        serve_namespace(self.api, self.namespace)
         self._thread = threading.Thread(target=self._loop, name=f"podrunner-{self.namespace}", daemon=True)
         self._thread.start()
 
@@ -159,15 +270,21 @@ class PodRunner:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            pods = list(self.running.values())
+            runs = list(self.pods.values())
             # Every pod told at once (they drain in parallel, as a node's pods do), then each awaited.
-            for pod in pods:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pod.proc.pid, signal.SIGTERM)
-            for pod in pods:
-                self._terminate(pod)
-                pod_address(pod.ip, add=False)
-            self.running.clear()
+            for run in runs:
+                if run.process is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(run.process.proc.pid, signal.SIGTERM)
+            for run in runs:
+                self._forget(run)
+            self.pods.clear()
+            for name in self.bound_volumes:
+                try:
+                    pv.release(self.api, name)
+                except (ApiError, OSError) as exc:
+                    log.warning("could not delete PersistentVolume %s: %s", name, exc)
+            self.bound_volumes.clear()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -177,31 +294,194 @@ class PodRunner:
                 log.exception("pod runner sync failed")
             self._stop.wait(self.interval)
 
+    def claim_dir(self, claim: str) -> Path:
+        """The host directory the runner binds ``claim`` (of its namespace) to."""
+        return self.claims_dir / self.namespace / claim
+
     # ----------------------------------------------------------------------------------------- sync
     def sync(self) -> None:
+        """One pass: bind new claims, forget pods that went away, admit new ones, move each one on."""
+        if self.bind_claims:
+            self._bind_claims()
         pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods").get("items", [])
-        alive = {}
+        ours = {}
         for pod in pods:
             meta, status = pod["metadata"], pod.get("status") or {}
-            if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+            if meta.get("deletionTimestamp"):
                 continue
-            alive[meta["uid"]] = pod
+            if RUNNER_LABEL not in (meta.get("labels") or {}):
+                if status.get("phase") == "Running" and meta["uid"] not in self._unserved:
+                    self._unserved.add(meta["uid"])
+                    log.warning(
+                        "pod %s predates the runner in %s: kwok plays it, nothing runs", meta["name"], self.namespace
+                    )
+                continue
+            if status.get("podIP"):
+                ours[meta["uid"]] = pod
         with self._lock:
-            for uid, proc in list(self.running.items()):
-                if uid not in alive:
-                    self._terminate(proc)
-                    pod_address(proc.ip, add=False)
-                    del self.running[uid]
-            for uid, pod in alive.items():
-                if uid not in self.running:
-                    self.running[uid] = self._launch(pod)
-                    self.started.append(pod["metadata"]["name"])
-                    if self.on_start is not None:
-                        self.on_start(self.running[uid])
+            for uid, run in list(self.pods.items()):
+                if uid not in ours:
+                    self._forget(run)
+                    del self.pods[uid]
+            for uid, pod in ours.items():
+                try:
+                    run = self.pods.get(uid)
+                    if run is None:
+                        if (pod.get("status") or {}).get("phase") in ps.TERMINAL_PHASES:
+                            continue  # finished before this runner saw it
+                        run = self.pods[uid] = self._admit(pod)
+                    self._advance(run)
+                    if run.dirty:
+                        self._write_status(run)
+                    self._errors.pop(uid, None)
+                except Exception as exc:
+                    # One pod's trouble (a missing ConfigMap, an API error) stops neither the others nor
+                    # the retries; it is logged once per distinct error.
+                    if self._errors.get(uid) != str(exc):
+                        self._errors[uid] = str(exc)
+                        log.exception("pod %s: sync failed", pod["metadata"]["name"])
 
     def processes(self, name_prefix: str = "") -> list[PodProcess]:
+        """The first container's process of each pod that has one and has not finished."""
         with self._lock:
-            return [p for p in self.running.values() if p.name.startswith(name_prefix)]
+            return [r.main for r in self.pods.values() if r.main and not r.finished and r.name.startswith(name_prefix)]
+
+    def _bind_claims(self) -> None:
+        claims = self.api.get(f"/api/v1/namespaces/{self.namespace}/persistentvolumeclaims").get("items", [])
+        for claim in claims:
+            name = claim["metadata"]["name"]
+            if (claim.get("spec") or {}).get("volumeName") or claim["metadata"].get("deletionTimestamp"):
+                continue
+            volume = pv.bind_claim(self.api, self.namespace, name, self.claim_dir(name))
+            if volume not in self.bound_volumes:
+                self.bound_volumes.append(volume)
+                log.info("bound claim %s/%s to volume %s at %s", self.namespace, name, volume, self.claim_dir(name))
+
+    # ---------------------------------------------------------------------------------- pod lifecycle
+    def _admit(self, pod: JSON) -> _PodRun:
+        root = self.workdir / pod["metadata"]["name"]
+        root.mkdir(parents=True, exist_ok=True)
+        spec = pod["spec"]
+        order = _run_order(spec)
+        statuses: dict[str, JSON] = {}
+        for c in spec.get("initContainers") or []:
+            sidecar = c.get("restartPolicy") == "Always"
+            state = ps.running(ps.now()) if sidecar else ps.waiting("PodInitializing")
+            statuses[c["name"]] = ps.container_status(c, state, ready=sidecar)
+        first = ps.waiting("PodInitializing" if len(order) > 1 else "ContainerCreating")
+        for c in spec["containers"]:
+            statuses[c["name"]] = ps.container_status(c, first)
+        run = _PodRun(pod, root, self._volumes(pod, root), order, statuses, ps.now())
+        pod_address(run.ip, add=True)
+        return run
+
+    def _advance(self, run: _PodRun) -> None:
+        if run.finished:
+            return
+        if run.process is not None:
+            code = run.process.proc.poll()
+            if code is None:
+                return
+            self._exited(run, run.process, code)
+            run.process = None
+            run.dirty = True
+        if run.finished or (run.restart_at is not None and time.monotonic() < run.restart_at):
+            return
+        if run.at_main and run.main is not None and run.restart_at is None:
+            return  # an Always pod's container that exited: not restarted (see the module docstring)
+        self._start_next(run)
+
+    def _start_next(self, run: _PodRun) -> None:
+        container = run.order[run.step]
+        name = container["name"]
+        proc = self._start(run.pod, container, run.volumes, run.root, init=not run.at_main)
+        run.process, run.restart_at, run.dirty = proc, None, True
+        previous = run.statuses[name]
+        run.statuses[name] = ps.container_status(
+            container,
+            ps.running(proc.started_at),
+            ready=run.at_main,  # no probes: ready once started; an init container never is
+            restart_count=run.restarts.get(name, 0),
+            last_state=previous.get("lastState"),
+        )
+        if run.at_main:
+            run.main, run.phase = proc, "Running"
+            self._others(run, ps.running(proc.started_at), ready=True)
+            if run.restarts.get(name, 0) == 0:
+                self.started.append(run.name)
+        if self.on_start is not None:
+            self.on_start(proc)
+
+    def _exited(self, run: _PodRun, proc: PodProcess, code: int) -> None:
+        container = run.order[run.step]
+        name, init = container["name"], not run.at_main
+        # The container's processes end with it, as they do when its PID namespace's first process exits.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+        message = ps.termination_message(
+            container, self._termination_file(run.root, name), proc.log_path, proc.log_offset, code
+        )
+        state = ps.terminated(code, message, proc.started_at, ps.now())
+        restarts = run.restarts.get(name, 0)
+        policy = run.spec.get("restartPolicy", "Always")
+        kind = "init container" if init else "container"
+        log.info("pod %s: %s %s exited with %d", run.name, kind, name, code)
+        if code == 0 and init:
+            run.statuses[name] = ps.container_status(container, state, restart_count=restarts)
+            run.step += 1
+        elif (code == 0 and policy != "Always") or (code != 0 and policy == "Never"):
+            run.statuses[name] = ps.container_status(container, state, restart_count=restarts)
+            run.phase = "Succeeded" if code == 0 else "Failed"
+            if init:
+                log.warning("pod %s: init container %s failed; its containers do not start", run.name, name)
+            else:
+                self._others(run, ps.terminated(0, "", proc.started_at, ps.now()))
+            pod_address(run.ip, add=False)
+        elif init or policy == "OnFailure":
+            restarts += 1
+            run.restarts[name] = restarts
+            delay = 0.0 if restarts == 1 else min(RESTART_BACKOFF * 2 ** (restarts - 2), MAX_RESTART_BACKOFF)
+            run.restart_at = time.monotonic() + delay
+            waiting = ps.waiting(
+                "CrashLoopBackOff", f"back-off {delay:.0f}s restarting failed container={name} pod={run.name}"
+            )
+            run.statuses[name] = ps.container_status(container, waiting, restart_count=restarts, last_state=state)
+            log.info("pod %s: %s %s restarts in %.0fs (restart %d)", run.name, kind, name, delay, restarts)
+        else:
+            # restartPolicy Always: the kubelet would restart it; here it stays terminated and the pod unready.
+            run.statuses[name] = ps.container_status(container, state, restart_count=restarts)
+            self._others(run, ps.terminated(0, "", proc.started_at, ps.now()))
+            log.warning("pod %s: container %s exited with %d and is not restarted", run.name, name, code)
+
+    def _others(self, run: _PodRun, state: JSON, *, ready: bool = False) -> None:
+        """Containers after the first are not run: they report what the first one does."""
+        for c in run.spec["containers"][1:]:
+            run.statuses[c["name"]] = ps.container_status(c, state, ready=ready)
+
+    def _write_status(self, run: _PodRun) -> None:
+        spec = run.spec
+        status = ps.pod_status(
+            spec,
+            run.phase,
+            [run.statuses[c["name"]] for c in spec.get("initContainers") or []],
+            [run.statuses[c["name"]] for c in spec["containers"]],
+            start_time=run.start_time,
+            previous_conditions=run.conditions,
+        )
+        try:
+            self.api.patch(
+                f"/api/v1/namespaces/{self.namespace}/pods/{run.name}/status", {"status": status}, strategic=True
+            )
+        except ApiError as exc:
+            if exc.status != 404:  # gone: the next sync forgets it
+                raise
+        run.conditions, run.dirty = status["conditions"], False
+
+    def _forget(self, run: _PodRun) -> None:
+        if run.process is not None:
+            self._terminate(run.process)
+        if not run.finished:
+            pod_address(run.ip, add=False)
 
     # --------------------------------------------------------------------------------------- launch
     def _secret_value(self, ref: Mapping[str, Any]) -> str:
@@ -215,6 +495,13 @@ class PodRunner:
             name = volume["name"]
             if name in self.shared_dirs:
                 out[name] = self.shared_dirs[name]
+                continue
+            claim = volume.get("persistentVolumeClaim")
+            if claim is not None:
+                # Where the volume the claim is bound to lives, as the kubelet mounts what the PV names.
+                path = pv.claim_host_path(self.api, self.namespace, claim["claimName"])
+                out[name] = path or self.claim_dir(claim["claimName"])
+                out[name].mkdir(parents=True, exist_ok=True)
                 continue
             target = root / "volumes" / name
             target.mkdir(parents=True, exist_ok=True)
@@ -247,23 +534,45 @@ class PodRunner:
             raise ValueError(f"fieldRef {path} is not emulated by the test bed's pod runner")
         return str(values[path])
 
-    def _launch(self, pod: Mapping[str, Any]) -> PodProcess:
-        meta, spec = pod["metadata"], pod["spec"]
+    @staticmethod
+    def _termination_file(root: Path, container: str) -> Path:
+        return root / f"{container}.termination-log"
+
+    def _start(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        volumes: Mapping[str, Path],
+        root: Path,
+        *,
+        init: bool,
+    ) -> PodProcess:
+        """Start one container of the pod as a process (its own session, mount namespace and /dev/shm)."""
+        meta = pod["metadata"]
         ip = pod["status"]["podIP"]
-        pod_address(ip, add=True)
-        container = spec["containers"][0]
-        root = self.workdir / meta["name"]
-        root.mkdir(parents=True, exist_ok=True)
-        volumes = self._volumes(pod, root)
-        mounts = sorted(
-            (
-                (m["mountPath"], volumes[m["name"]])
-                for m in container.get("volumeMounts") or []
-                # /dev/shm is the pod's private tmpfs (below), not a host directory.
-                if m["mountPath"] != "/dev/shm"
-            ),
-            key=lambda item: -len(item[0]),  # longest mount path first: /models/hf before /models
-        )
+        read_only_volumes = {
+            v["name"]
+            for v in pod["spec"].get("volumes") or []
+            if any(k in v for k in READ_ONLY_SOURCES) or (v.get("persistentVolumeClaim") or {}).get("readOnly")
+        }
+        mounts: list[tuple[str, Path]] = []
+        read_only: list[Path] = []
+        for m in container.get("volumeMounts") or []:
+            if m["mountPath"] == "/dev/shm":
+                continue  # the pod's private tmpfs (below), not a host directory
+            host = volumes[m["name"]]
+            if m.get("subPath"):
+                host = host / m["subPath"]
+                if not host.exists():
+                    host.mkdir(parents=True)  # as the kubelet creates a missing subPath
+            mounts.append((m["mountPath"], host))
+            if m.get("readOnly") or m["name"] in read_only_volumes:
+                read_only.append(host)
+        # The kubelet mounts an empty file there; what the container leaves in it is its termination message.
+        message_file = self._termination_file(root, container["name"])
+        message_file.write_bytes(b"")
+        mounts.append((container.get("terminationMessagePath") or TERMINATION_LOG, message_file))
+        mounts.sort(key=lambda item: -len(item[0]))  # longest mount path first: /models/hf before /models
 
         def host_path(value: str) -> str:
             for mount_path, host in mounts:
@@ -305,19 +614,22 @@ class PodRunner:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
             env.update(VLLM_OMNI_CPU_ENV)
 
-        log_path = root / "container.log"
+        # The first container's log keeps its old name (README and suites point at it).
+        log_path = root / (f"init-{container['name']}.log" if init else "container.log")
         with log_path.open("ab") as out:
-            # Own session: the pod's processes form one group, stopped together (see _terminate).
+            offset = out.tell()
+            # Own session: the container's processes form one group, stopped together (see _terminate).
             proc = subprocess.Popen(
-                private_shm_argv(argv, shm_size(pod)),
+                private_shm_argv(argv, shm_size(pod), read_only),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=root,
                 start_new_session=True,
             )
-        log.info("started pod %s (%s) as pid %d: %s", meta["name"], ip, proc.pid, " ".join(argv))
-        return PodProcess(meta["name"], meta["uid"], ip, proc, log_path, argv)
+        what = f"init container {container['name']} of pod" if init else "pod"
+        log.info("started %s %s (%s) as pid %d: %s", what, meta["name"], ip, proc.pid, " ".join(argv))
+        return PodProcess(meta["name"], meta["uid"], ip, proc, log_path, argv, container["name"], offset, ps.now())
 
     @staticmethod
     def _terminate(pod: PodProcess) -> None:
