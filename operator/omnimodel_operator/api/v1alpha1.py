@@ -168,13 +168,15 @@ class ModelSpec(KubeModel):
     token_secret: SecretKey | None = Field(
         default=None,
         description="A Hugging Face token (Secret key) for private or gated repositories; only the fetch "
-        "Job's container gets it (HF_TOKEN), never a stage pod or the gateway.",
+        "Job's container gets it (HF_TOKEN), never a stage pod or the gateway. With runtime.kind vllm-omni, "
+        "which downloads in its own pods, those pods get it.",
     )
     endpoint: str | None = Field(
         default=None,
         min_length=1,
         max_length=512,
-        description="A Hugging Face mirror to fetch from (HF_ENDPOINT), e.g. an on-prem olah.",
+        description="A Hugging Face mirror to fetch from (HF_ENDPOINT of the fetch Job; of every pod with "
+        "runtime.kind vllm-omni), e.g. an on-prem olah.",
     )
 
     @model_validator(mode="after")
