@@ -42,7 +42,10 @@ def kube(cluster: ClusterHandle, operator: Operator) -> Iterator[Kube]:
     """A fresh namespace per test, deleted afterwards (children go with it)."""
     ns = f"e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", ns)
+    k = Kube(cluster, ns)
     try:
-        yield Kube(cluster, ns)
+        yield k
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        for volume in k.volumes:  # Retain: gone once its claim is (pv-protection)
+            cluster.kubectl("delete", "pv", volume, "--wait=false", check=False)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from omnimodel_testbed.pytest_plugin import ClusterHandle, kubectl_binary
+from omnimodel_testbed.volumes import claim_volume
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25, what: str = "") -> Any:
@@ -111,6 +112,7 @@ class Kube:
     def __init__(self, cluster: ClusterHandle, namespace: str) -> None:
         self.cluster = cluster
         self.ns = namespace
+        self.volumes: list[str] = []  # cluster-scoped: deleted by the fixture, not with the namespace
 
     def run(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         cmd = [*args, "-n", self.ns]
@@ -158,6 +160,16 @@ class Kube:
 
         result: dict[str, Any] = wait_for(ready, timeout, what=f"{name} Ready=True")
         return result
+
+    def bind_claim(self, name: str, host_path: Path, timeout: float = 30) -> str:
+        """Be the static storage administrator the test bed lacks: once claim ``name`` exists, create
+        a hostPath volume reserved for it (the real PV controller binds them); return the volume's
+        name. The fixture deletes the volumes of its namespace afterwards."""
+        claim = wait_for(lambda: self.get("pvc", name), timeout, what=f"PersistentVolumeClaim {name}")
+        volume = claim_volume(claim, host_path)
+        self.apply(volume)  # cluster-scoped: kubectl ignores the namespace
+        self.volumes.append(volume["metadata"]["name"])
+        return str(volume["metadata"]["name"])
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self.get("pods", selector=selector)["items"]

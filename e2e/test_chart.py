@@ -175,6 +175,8 @@ NEEDED_IN_WATCHED = [
     ("watch", "serviceaccounts"), ("create", "horizontalpodautoscalers.autoscaling"),
     ("delete", "poddisruptionbudgets.policy"), ("patch", "networkpolicies.networking.k8s.io"),
     ("list", "pods"), ("watch", "pods"), ("create", "events"), ("patch", "deployments.apps/scale"),
+    ("create", "jobs.batch"), ("watch", "jobs.batch"), ("delete", "jobs.batch"),  # weights fetch Jobs
+    ("create", "persistentvolumeclaims"), ("watch", "persistentvolumeclaims"),  # model.cache claims
 ]  # fmt: skip
 DENIED_IN_WATCHED = [
     ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),  # the gateway only names its key Secret
@@ -183,7 +185,7 @@ DENIED_IN_WATCHED = [
     ("patch", "omnimodels.omnimodel.io"), ("get", "omnimodels.omnimodel.io"),  # status only; reads are watched
     ("update", "deployments.apps"),  # apply is a PATCH
     ("create", "serviceaccounts/token"), ("create", "roles.rbac.authorization.k8s.io"),
-    ("create", "jobs.batch"), ("list", "leases.coordination.k8s.io"),
+    ("create", "cronjobs.batch"), ("list", "leases.coordination.k8s.io"), ("create", "persistentvolumes"),
 ]  # fmt: skip
 DENIED_CLUSTER = [
     ("create", "customresourcedefinitions.apiextensions.k8s.io"),

@@ -26,16 +26,32 @@ def stage_pods(kube: Kube, cr: str, stage: str) -> list[dict[str, Any]]:
     return kube.pods(f"app.kubernetes.io/instance={cr},{STAGE}={stage}")
 
 
+def stage_autoscaler(kube: Kube, cr: str, stage: str) -> dict[str, Any] | None:
+    for row in ((kube.get("omnimodel", cr) or {}).get("status") or {}).get("stages") or []:
+        if row["name"] == stage:
+            return row.get("autoscaler")
+    return None
+
+
 def node_labels(kube: Kube, pod: dict[str, Any]) -> dict[str, str]:
     labels: dict[str, str] = kube.node(pod["spec"]["nodeName"])["metadata"].get("labels", {})
     return labels
 
 
+def provide_cache(kube: Kube, doc: dict[str, Any], where: Path) -> None:
+    """An example whose model.cache names a StorageClass gets a claim from the operator; the test bed
+    has no provisioner, so stand in for one (as an administrator with static volumes would)."""
+    if (doc["spec"].get("model", {}).get("cache") or {}).get("storageClassName"):
+        kube.bind_claim(f"{doc['metadata']['name']}-models", where)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_every_example_applies_and_becomes_ready(kube: Kube, path: Path) -> None:
+def test_every_example_applies_and_becomes_ready(kube: Kube, path: Path, tmp_path: Path) -> None:
     result = kube.run("apply", "-f", str(path))
     assert "created" in result.stdout
-    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    doc = yaml.safe_load(path.read_text())
+    provide_cache(kube, doc, tmp_path)
+    name = doc["metadata"]["name"]
     kube.wait_ready(name)
     table = kube.run("get", "omni", name).stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "REASON", "STAGES", "OBSERVED", "ENDPOINT", "AGE"]
@@ -62,8 +78,17 @@ def test_stages_land_on_the_requested_accelerators(kube: Kube) -> None:
     assert not any(k.startswith(("nvidia.com", "amd.com", "accelerator")) for k in labels), labels
     for pod in kube.pods("app.kubernetes.io/instance=qwen-omni,app.kubernetes.io/component=gateway"):
         assert "nvidia.com/gpu.present" not in node_labels(kube, pod)
-    hpa = kube.get("hpa", "qwen-omni-talker")
-    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    # provider operator (the default): the operator's autoscaler owns the talker, no HPA does.
+    assert kube.get("hpa", "qwen-omni-talker") is None
+    auto = wait_for(lambda: stage_autoscaler(kube, "qwen-omni", "talker"), 30, what="the talker's autoscaler status")
+    assert (auto["kind"], auto["name"], auto["metric"], auto["target"]) == (
+        "OmniModelAutoscaler",
+        "qwen-omni-talker",
+        "queueDepth",
+        4,
+    )
+    # kwok's pods serve no metrics: the autoscaler holds the replicas it has and says why.
+    assert auto["desiredReplicas"] == auto["currentReplicas"] == 1, auto
 
 
 def test_product_pin_is_honoured_even_when_other_products_are_free(kube: Kube) -> None:
@@ -155,15 +180,18 @@ def test_removed_stage_children_are_deleted(kube: Kube) -> None:
     kube.wait_ready("custom-chat")
 
 
-def test_deleting_the_omnimodel_garbage_collects_everything(kube: Kube) -> None:
-    kube.apply(example("text-to-image.yaml"))
+def test_deleting_the_omnimodel_garbage_collects_everything(kube: Kube, tmp_path: Path) -> None:
+    doc = example("text-to-image.yaml")
+    kube.apply(doc)
+    provide_cache(kube, doc, tmp_path)
     kube.wait_ready("qwen-image")
     selector = "app.kubernetes.io/instance=qwen-image"
     assert kube.get("deployments", selector=selector)["items"]
     # no finalizer: deleting an OmniModel (or its namespace) never depends on the operator running
     assert not kube.get("omnimodel", "qwen-image")["metadata"].get("finalizers")
     kube.run("delete", "omni", "qwen-image", "--wait=true")
-    for kind in ("deployments", "services", "configmaps", "pods", "poddisruptionbudgets", "networkpolicies"):
+    kinds = ("deployments", "services", "configmaps", "pods", "poddisruptionbudgets", "networkpolicies", "jobs", "pvc")
+    for kind in kinds:
         wait_for(lambda kind=kind: not kube.get(kind, selector=selector)["items"], 60, what=f"{kind} collected")
 
 
@@ -362,6 +390,11 @@ def test_autoscaling_needs_only_max_replicas(kube: Kube) -> None:
     doc = _bad(lambda s: s["stages"][1].update(autoscaling={"maxReplicas": 3}))
     doc["metadata"]["name"] = "scaled"
     kube.apply(doc)
+    auto = wait_for(lambda: stage_autoscaler(kube, "scaled", "talker"), 30, what="the talker's autoscaler status")
+    assert (auto["kind"], auto["metric"], auto["target"]) == ("OmniModelAutoscaler", "inFlight", 4)
+    # The same on provider hpa: an HPA with the defaults.
+    doc["spec"]["stages"][1]["autoscaling"]["provider"] = "hpa"
+    kube.apply(doc)
     hpa = wait_for(lambda: kube.get("hpa", "scaled-talker"), 30, what="the talker's HPA")
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
     assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "4"
@@ -409,7 +442,7 @@ async def listed(client: Any, namespace: str, name: str) -> Any:
     return Observed(objects=objects, pods=await client.list("v1", "Pod", namespace, selector))
 
 
-async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube: Kube) -> None:
+async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube: Kube, tmp_path: Path) -> None:
     """Server defaulting, omitempty and normalised quantities must not make a pass re-apply
     (DESIGN §8: writes = 0); with the cache current, a pass sends no request at all."""
     from omnimodel_operator.kube import HttpKube, load_connection
@@ -417,7 +450,8 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
     from omnimodel_operator.settings import OperatorSettings
 
     for name in ("qwen-omni.yaml", "text-to-image.yaml", "tts.yaml", "custom-graph.yaml"):
-        kube.apply(example(name))
+        kube.apply(doc := example(name))
+        provide_cache(kube, doc, tmp_path)
     for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
         kube.wait_ready(name)
     client = HttpKube(load_connection(str(kube.cluster.kubeconfig)))

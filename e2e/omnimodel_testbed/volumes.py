@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from .kubeapi import ApiError, KubeAPI
 
-__all__ = ["bind_claim", "claim_host_path", "claim_volume", "release", "volume_name"]
+__all__ = ["FOR_CLAIM", "bind_claim", "claim_host_path", "claim_volume", "release", "volume_name"]
 
 #: On a volume bind_claim made: which claim it was made for (``<namespace>/<name>``).
 FOR_CLAIM: Final = "testbed.omnimodel.io/claim"

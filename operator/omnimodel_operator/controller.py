@@ -139,7 +139,7 @@ class Cache(Protocol):
         ...
 
 
-Reason = Literal["omnimodel", "child", "resync", "retry", "autoscaler"]
+Reason = Literal["omnimodel", "child", "resync", "retry", "autoscaler", "weights"]
 
 
 class Controller:
@@ -169,6 +169,8 @@ class Controller:
         self._ready: dict[Key, ReadyStatus] = {}
         # Autoscaling decisions per OmniModel, shown in status (set when the autoscaler runs).
         self.autoscaler_status: Callable[[Key], Mapping[str, AutoscalerStatus]] = lambda key: {}
+        # The running fetch's last /progress per OmniModel, shown in status.weights.
+        self.weights_progress: Callable[[Key], Mapping[str, Any] | None] = lambda key: None
         self._idle = asyncio.Event()
         self._idle.set()
         self._busy = 0
@@ -255,6 +257,7 @@ class Controller:
                 outcome = await reconcile(
                     self.client, body, self.cache.observed(namespace, name), self.settings, self._now,
                     last_status=last, autoscalers=self.autoscaler_status(key),
+                    weights_progress=self.weights_progress(key),
                 )  # fmt: skip
                 record.finished(outcome)
         except ApiError as err:

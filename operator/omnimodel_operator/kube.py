@@ -36,6 +36,8 @@ RESOURCES: Final[Mapping[tuple[str, str], tuple[str, bool]]] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
+    ("batch/v1", "Job"): ("jobs", True),
+    ("v1", "PersistentVolumeClaim"): ("persistentvolumeclaims", True),
     ("omnimodel.io/v1alpha1", "OmniModel"): ("omnimodels", True),
 }
 

@@ -38,7 +38,7 @@ __all__ = [
 
 # What queued a pass: an event on the OmniModel, an event on one of its children or pods, the periodic
 # safety-net pass, a retry after a failure, or an autoscaling decision (its status).
-Trigger = Literal["omnimodel", "child", "resync", "retry", "autoscaler"]
+Trigger = Literal["omnimodel", "child", "resync", "retry", "autoscaler", "weights"]
 # How it ended. apply_error: the API server refused a child (status says which); name_conflict: a child's
 # name is taken; not_found: the OmniModel was deleted while we worked; api_error: status could not be
 # written; error: a bug, not the API server.

@@ -88,6 +88,11 @@ class OperatorSettings(BaseSettings):
     autoscale_scrape_timeout: float = Field(
         default=2.0, gt=0, description="Seconds the autoscaler waits for a pod's /metrics."
     )
+    weights_progress_interval: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds between reads of a running fetch pod's /progress for status.weights.",
+    )
     vllm_omni_images: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_VLLM_OMNI_IMAGES),
         description="vLLM-Omni image per accelerator vendor (JSON object), for runtime.kind vllm-omni when a "

@@ -29,6 +29,9 @@ log = logging.getLogger("omnimodel_runtime.cli")
 # failure at run time (the engine failed to load, the port was taken).
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+# `omnimodel fetch`: retrying cannot help (a rejected token, a missing repository, a full volume). The
+# operator's fetch Job fails at once on this code (podFailurePolicy) instead of retrying.
+EXIT_PERMANENT = 3
 
 
 def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -309,9 +312,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         with Ticker(progress, max(0.5, args.log_interval)):
             result = fetch_pipeline(pipeline, cache, stages=args.stage, progress=progress, workers=args.workers)
     except WeightsError as err:
+        from omnimodel_runtime.fetch.hub import PERMANENT
+
         log.error("fetch failed: %s", err)
         _write_termination(args.termination_log, str(err))
-        return EXIT_FAILED
+        return EXIT_PERMANENT if err.reason in PERMANENT else EXIT_FAILED
     finally:
         if server is not None:
             server.stop()

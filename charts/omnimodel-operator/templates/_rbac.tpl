@@ -45,6 +45,14 @@ watchNamespaces otherwise.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# The fetch Job of an hf:// model with model.cache (one per revision), as above.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# The weights claim the operator creates from model.cache.storageClassName, as above.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
 # Pods, read-only through a watch: explain a stage that is not ready (Unschedulable, ImagePullBackOff).
 - apiGroups: [""]
   resources: ["pods"]

@@ -64,14 +64,84 @@ class KubeModel(BaseModel):
 
 
 class ModelCache(KubeModel):
-    pvc: str = Field(
-        min_length=1,
-        description="PersistentVolumeClaim mounted at /models in every stage pod and shared as the "
-        "weight cache; each stage downloads only the files its part needs.",
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.pvc) != has(self.storageClassName)",
+                    "model.cache names an existing claim (pvc) or a storage class to create one from "
+                    "(storageClassName), one of the two",
+                ),
+                cel(
+                    "!has(self.pvc) || (!has(self.size) && !has(self.accessMode))",
+                    "model.cache.size and accessMode describe a claim the operator creates: they need "
+                    "storageClassName, not pvc",
+                ),
+            ]
+        }
     )
+
+    pvc: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="An existing PersistentVolumeClaim to keep the weights in. One fetch Job writes the "
+        "model's files into it (only the files the stages need); stage pods mount it read-only and wait "
+        "for the fetch instead of downloading. Stages on several nodes need it ReadWriteMany.",
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Create the claim <name>-models from this StorageClass (and delete it with the OmniModel).",
+    )
+    size: Quantity | None = Field(default=None, description="Size of a created claim. Default 100Gi.")
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"] | None = Field(
+        default=None,
+        description="Access mode of a created claim; default ReadWriteMany. ReadWriteOnce works only with "
+        "every stage pod (and the fetch) on one node.",
+    )
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> ModelCache:
+        # The CEL rule above, again, for objects that never went through the API server.
+        if (self.pvc is None) == (self.storage_class_name is None):
+            raise ValueError(
+                "model.cache names an existing claim (pvc) or a storage class to create one from "
+                "(storageClassName), one of the two"
+            )
+        if self.pvc is not None and (self.size is not None or self.access_mode is not None):
+            raise ValueError(
+                "model.cache.size and accessMode describe a claim the operator creates: "
+                "they need storageClassName, not pvc"
+            )
+        return self
+
+
+class SecretKey(KubeModel):
+    name: str = Field(min_length=1, max_length=253, description="Secret in the OmniModel's namespace.")
+    key: str = Field(default="token", min_length=1, description="Key holding the value. Default token.")
 
 
 class ModelSpec(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.tokenSecret) || has(self.cache)",
+                    "model.tokenSecret reaches only the fetch Job, which needs model.cache; without a cache "
+                    "every stage pod would download, and need the token",
+                    ".tokenSecret",
+                ),
+                cel(
+                    "(!has(self.tokenSecret) && !has(self.endpoint)) || self.source.startsWith('hf://')",
+                    "model.tokenSecret and model.endpoint are for fetching from a Hugging Face hub: they need an "
+                    "hf:// source",
+                ),
+            ]
+        }
+    )
+
     source: str = Field(
         min_length=1,
         max_length=512,
@@ -80,13 +150,48 @@ class ModelSpec(KubeModel):
         description="Where the weights come from: hf://org/name, pvc://claim/path, file:///path, or "
         "tiny://<preset> for random weights built locally from a small config (tests and demos).",
     )
-    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit).")
+    revision: str | None = Field(
+        default=None,
+        description="Hub revision (branch, tag or commit). The fetch resolves it to a commit sha "
+        "(status.weights.sha); a changed revision fetches again and rolls the stages.",
+    )
     served_name: str | None = Field(
         default=None,
         max_length=256,
         description="Model id clients send in the `model` field. Defaults to the source path.",
     )
-    cache: ModelCache | None = Field(default=None, description="Shared weight cache volume.")
+    cache: ModelCache | None = Field(
+        default=None,
+        description="Where hf:// weights are kept for every pod (fetched once). Unset: each stage pod "
+        "downloads its own files into its own emptyDir at start (again on every restart).",
+    )
+    token_secret: SecretKey | None = Field(
+        default=None,
+        description="A Hugging Face token (Secret key) for private or gated repositories; only the fetch "
+        "Job's container gets it (HF_TOKEN), never a stage pod or the gateway. With runtime.kind vllm-omni, "
+        "which downloads in its own pods, those pods get it.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="A Hugging Face mirror to fetch from (HF_ENDPOINT of the fetch Job; of every pod with "
+        "runtime.kind vllm-omni), e.g. an on-prem olah.",
+    )
+
+    @model_validator(mode="after")
+    def _token_needs_cache(self) -> ModelSpec:
+        if (self.token_secret is not None or self.endpoint is not None) and not self.source.startswith("hf://"):
+            raise ValueError(
+                "model.tokenSecret and model.endpoint are for fetching from a Hugging Face hub: they need an "
+                "hf:// source"
+            )
+        if self.token_secret is not None and self.cache is None:
+            raise ValueError(
+                "model.tokenSecret reaches only the fetch Job, which needs model.cache; without a cache "
+                "every stage pod would download, and need the token"
+            )
+        return self
 
 
 class EnvVar(KubeModel):
@@ -625,6 +730,25 @@ class StageStatus(ComponentStatus):
     autoscaler: AutoscalerStatus | None = Field(default=None, description="The stage's autoscaler, if any.")
 
 
+class WeightsStatus(StatusModel):
+    state: Literal["Pending", "Fetching", "Complete", "Failed"] = Field(
+        description="Pending (the fetch Job has not started), Fetching, Complete or Failed."
+    )
+    job: str = Field(description="The fetch Job.")
+    revision: str | None = Field(default=None, description="The revision asked for (model.revision, or main).")
+    sha: str | None = Field(default=None, description="The commit the revision resolved to.")
+    files_done: int | None = Field(default=None, description="Files in the cache, of filesTotal.")
+    files_total: int | None = Field(default=None, description="Files the stages need together.")
+    bytes_done: int | None = Field(default=None, description="Bytes in the cache, of bytesTotal.")
+    bytes_total: int | None = Field(default=None, description="Bytes the stages need together.")
+    reason: str | None = Field(
+        default=None,
+        description="Why it failed: Unauthorized, NotFound, NoSpace, Network, RateLimited, HubError, Invalid "
+        "or Failed (the fetch's own words, also WeightsReady's reason).",
+    )
+    message: str | None = Field(default=None, description="The fetch's last one-line outcome.")
+
+
 class OmniModelStatus(StatusModel):
     observed_generation: int | None = Field(default=None, description="Last spec generation reconciled.")
     conditions: list[Condition] | None = Field(
@@ -643,6 +767,10 @@ class OmniModelStatus(StatusModel):
     served_modalities: list[Modality] | None = Field(
         default=None,
         description="Output modalities the model can serve now (a modality whose stages are scaled to 0 is left out).",
+    )
+    weights: WeightsStatus | None = Field(
+        default=None,
+        description="The fetch of an hf:// model into model.cache (absent when nothing is fetched).",
     )
 
 

@@ -146,8 +146,15 @@ def _common_args(plan: VllmPlan, sp: VllmStagePlan) -> list[str]:
 
 def _env(plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings) -> list[dict[str, Any]]:
     acc = accelerator_for(sp.accelerator.vendor)
+    model = plan.spec.model
+    # vLLM-Omni downloads hf:// weights itself (no fetch Job yet), so its pods get the mirror and token.
+    hub: list[dict[str, Any]] = [{"name": "HF_ENDPOINT", "value": model.endpoint}] if model.endpoint else []
+    if model.token_secret is not None:
+        ref = {"name": model.token_secret.name, "key": model.token_secret.key}
+        hub.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     return merge_env(
         runtime_env(plan),
+        hub,
         [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         [{"name": k, "value": v} for k, v in acc.env().items()],
         [{"name": k, "value": v} for k, v in settings.vllm_omni_env.items()],

@@ -24,6 +24,8 @@ HUB_ERROR: Final = "HubError"  # any other HTTP error status from the endpoint
 INVALID: Final = "Invalid"  # the pipeline's file sets do not fit the repository
 FAILED: Final = "Failed"  # anything else
 REASONS: Final = (UNAUTHORIZED, NOT_FOUND, NO_SPACE, NETWORK, RATE_LIMITED, HUB_ERROR, INVALID, FAILED)
+# Failures a retry cannot fix (the others may pass on a second try).
+PERMANENT: Final = frozenset({UNAUTHORIZED, NOT_FOUND, NO_SPACE, INVALID})
 
 
 class WeightsError(ModelSourceError):

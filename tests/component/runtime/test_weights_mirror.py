@@ -258,12 +258,12 @@ def test_fetch_serves_its_progress_while_it_runs(bed: Bed, tmp_path: Path) -> No
 def test_a_private_repository_needs_the_right_token(bed: Bed, tmp_path: Path) -> None:
     pipeline = bed.pipeline(PRIVATE)
     rc, message, _ = fetch(bed, tmp_path, pipeline, tmp_path / "c1", HF_TOKEN="hf_wrong")
-    assert rc == 1
+    assert rc == 3  # permanent: the operator's Job fails at once rather than retrying
     assert message.startswith("Unauthorized: "), message
     assert "401" in message
     assert "hf_wrong" not in message
     rc, message, _ = fetch(bed, tmp_path, pipeline, tmp_path / "c2")
-    assert rc == 1
+    assert rc == 3
     assert message.startswith("NotFound: repository acme/private-tts not found"), message
     assert "no HF_TOKEN is set" in message
     rc, message, stderr = fetch(bed, tmp_path, pipeline, tmp_path / "c3", HF_TOKEN=GOOD_TOKEN)
@@ -273,10 +273,10 @@ def test_a_private_repository_needs_the_right_token(bed: Bed, tmp_path: Path) ->
 
 def test_a_missing_revision_or_repository_is_not_found(bed: Bed, tmp_path: Path) -> None:
     rc, message, _ = fetch(bed, tmp_path, bed.pipeline(T2I, revision="v9"), tmp_path / "c")
-    assert (rc, message) == (1, f"NotFound: revision 'v9' not found in {T2I} at {bed.mirror.url}")
+    assert (rc, message) == (3, f"NotFound: revision 'v9' not found in {T2I} at {bed.mirror.url}")
     missing = get_preset("text-to-image").pipeline(ModelSource(source="hf://acme/nothing-here"))
     rc, message, _ = fetch(bed, tmp_path, missing, tmp_path / "c")
-    assert rc == 1
+    assert rc == 3
     assert message.startswith("NotFound: repository acme/nothing-here not found"), message
 
 
@@ -284,7 +284,7 @@ def test_an_unreachable_endpoint_is_a_network_failure(bed: Bed, tmp_path: Path) 
     rc, message, _ = fetch(
         bed, tmp_path, bed.pipeline(T2I), tmp_path / "c", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}"
     )
-    assert rc == 1
+    assert rc == 1  # transient: worth a retry
     assert message.startswith("Network: cannot reach"), message
 
 
