@@ -9,15 +9,16 @@ A pod's init containers run first, one after the other, each to its end; then it
 Each is a process on this machine, bound to the pod's IP (inside the test bed's network namespace the
 pod CIDR is local), with the container's env (values, Secret keys, the downward API's pod
 IP/name/namespace, and ``$(VAR)`` references in command, args and env as the kubelet expands them).
-Volumes are host directories: ConfigMaps written to files, emptyDirs per pod, and a
-PersistentVolumeClaim the directory of the hostPath volume it is bound to (the runner binds the
-namespace's claims to volumes under ``claims_dir``, one directory per claim, shared by every pod that
-mounts it, as a ReadWriteMany volume is). The container's paths in its arguments and env values are
-rewritten to those directories (``subPath`` included); a read-only mount (``readOnly``, and ConfigMap,
-Secret, projected and downward API volumes, which the kubelet always mounts read-only) is read-only for
-the process, through a read-only bind mount in its own mount namespace. Each container also gets its own
-empty ``/dev/shm`` there (a memory emptyDir mounted there sets its size), so two pods can never meet
-through shared memory.
+Volumes are host directories: ConfigMaps written to files, emptyDirs per pod (or one of ``shared_dirs``
+by volume name), and a PersistentVolumeClaim the directory of the hostPath volume it is bound to (the
+runner binds the namespace's claims to volumes under ``claims_dir``, one directory per claim, shared by
+every pod that mounts it, as a ReadWriteMany volume is). The container's paths in its arguments and env
+values are rewritten to those directories (``subPath`` included), and a volume mounted at ``/tmp`` is
+its ``TMPDIR`` (unless its env sets one), so temporary files stay the pod's. A read-only mount
+(``readOnly``, and ConfigMap, Secret, projected and downward API volumes, which the kubelet always mounts
+read-only) is read-only for the process, through a read-only bind mount in its own mount namespace.
+Each container also gets its own empty ``/dev/shm`` there (a memory emptyDir mounted there sets its
+size), so two pods can never meet through shared memory.
 
 The pod's status is the kubelet's: Pending while init containers run (``Initialized``/``Ready`` False,
 the running one ``running``, the others ``waiting``), Running and Ready once its first container has
@@ -493,15 +494,16 @@ class PodRunner:
         out: dict[str, Path] = {}
         for volume in pod["spec"].get("volumes") or []:
             name = volume["name"]
-            if name in self.shared_dirs:
-                out[name] = self.shared_dirs[name]
-                continue
             claim = volume.get("persistentVolumeClaim")
             if claim is not None:
-                # Where the volume the claim is bound to lives, as the kubelet mounts what the PV names.
+                # Where the volume the claim is bound to lives, as the kubelet mounts what the PV names; a
+                # claim is shared storage already, so never one of ``shared_dirs`` (those stand in for it).
                 path = pv.claim_host_path(self.api, self.namespace, claim["claimName"])
                 out[name] = path or self.claim_dir(claim["claimName"])
                 out[name].mkdir(parents=True, exist_ok=True)
+                continue
+            if name in self.shared_dirs:
+                out[name] = self.shared_dirs[name]
                 continue
             target = root / "volumes" / name
             target.mkdir(parents=True, exist_ok=True)
@@ -598,6 +600,12 @@ class PodRunner:
                 continue
             container_env[item["name"]] = value
             env[item["name"]] = host_path(value)
+
+        tmp = host_path("/tmp")
+        if tmp != "/tmp" and "TMPDIR" not in env:
+            # A program's own temporary files (tempfile, mkstemp) go where /tmp is in its container: the
+            # pod's volume, not the host's /tmp that every pod would share.
+            env["TMPDIR"] = tmp
 
         argv = [expand_env_refs(a, container_env) for a in [*container.get("command", []), *container.get("args", [])]]
         vllm_omni = is_vllm_omni(container)

@@ -9,8 +9,40 @@ from typing import Any
 
 import pytest
 
-from omnimodel_testbed.kubelet import PodRunner, expand_env_refs, is_vllm_omni, shm_size
+from omnimodel_testbed.kubelet import PodProcess, PodRunner, expand_env_refs, is_vllm_omni, shm_size
+from omnimodel_testbed.runnerpods import RUNNER_LABEL
 from omnimodel_testbed.vllm_omni import VLLM_OMNI_CPU_ENV
+
+
+class FakeKube:
+    """The few API calls a runner's sync makes, over pods held here; status patches are recorded."""
+
+    def __init__(self, *pods: dict[str, Any], claims: list[dict[str, Any]] | None = None) -> None:
+        self.pods = {p["metadata"]["name"]: p for p in pods}
+        self.claims = claims or []
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    def get(self, path: str) -> dict[str, Any]:
+        if path == "/api/v1/namespaces/ns/pods":
+            return {"items": list(self.pods.values())}
+        if path == "/api/v1/namespaces/ns/persistentvolumeclaims":
+            return {"items": self.claims}
+        raise AssertionError(f"unexpected API call GET {path}")
+
+    def patch(self, path: str, patch: dict[str, Any], *, strategic: bool = False) -> dict[str, Any]:
+        name = path.removeprefix("/api/v1/namespaces/ns/pods/").removesuffix("/status")
+        assert path.endswith("/status") and strategic, path
+        self.patches.append((name, patch["status"]))
+        self.pods[name]["status"] = {**self.pods[name]["status"], **patch["status"]}
+        return self.pods[name]
+
+
+def runner_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    """A pod as a runner finds it: labelled at admission, given an IP by kwok, still Pending."""
+    p = pod(name, command, **spec)
+    p["metadata"]["labels"] = {RUNNER_LABEL: "true"}
+    p["status"] = {"phase": "Pending", "podIP": "127.0.0.9", "hostIP": "127.0.0.1"}
+    return p
 
 
 class NoAPI:
@@ -36,6 +68,13 @@ def runner(tmp_path: Path, vllm_env: Path | None = None) -> PodRunner:
         tmp_path / "bin",
         vllm_omni_env=lambda: vllm_env or pytest.fail("vLLM-Omni env asked for by a plain pod"),
     )
+
+
+def launch(r: PodRunner, p: dict[str, Any]) -> PodProcess:
+    """Start the pod's first container as the runner does once its init containers are done."""
+    root = r.workdir / p["metadata"]["name"]
+    root.mkdir(parents=True, exist_ok=True)
+    return r._start(p, p["spec"]["containers"][0], r._volumes(p, root), root, init=False)
 
 
 def wait_for(path: Path, timeout: float = 20) -> str:
@@ -85,7 +124,7 @@ def test_each_pod_gets_a_private_dev_shm_and_downward_env(tmp_path: Path) -> Non
         {"name": "ADDR", "value": "tcp://$(POD_IP):5000"},
     ]
     r = runner(tmp_path)
-    proc = r._launch(pod("head", ["sh", "-c", script], env=env))
+    proc = launch(r, pod("head", ["sh", "-c", script], env=env))
     try:
         text = wait_for(out)
     finally:
@@ -104,7 +143,7 @@ def test_a_relative_pythonpath_still_names_this_checkout_from_the_pod_dir(
     out = tmp_path / "out.txt"
     monkeypatch.setenv("PYTHONPATH", "runtime:e2e")
     r = runner(tmp_path)
-    proc = r._launch(pod("p", ["sh", "-c", f'echo "$PYTHONPATH" > {out}; echo END >> {out}']))
+    proc = launch(r, pod("p", ["sh", "-c", f'echo "$PYTHONPATH" > {out}; echo END >> {out}']))
     try:
         line = wait_for(out).splitlines()[0]
     finally:
@@ -114,16 +153,15 @@ def test_a_relative_pythonpath_still_names_this_checkout_from_the_pod_dir(
 
 def test_sync_reports_each_started_process_once(tmp_path: Path) -> None:
     """What `make demo` records to stop pods by PID even if the process that ran them died."""
-
-    class OnePod:
-        def get(self, path: str) -> dict[str, Any]:
-            assert path == "/api/v1/namespaces/ns/pods"
-            return {"items": [pod("p", ["sleep", "60"])]}
-
+    api = FakeKube(runner_pod("p", ["sleep", "60"]))
     seen: list[tuple[str, int]] = []
     r = PodRunner(
-        OnePod(), "ns", tmp_path / "pods", tmp_path / "bin", on_start=lambda p: seen.append((p.name, p.proc.pid))
-    )  # type: ignore[arg-type]
+        api,  # type: ignore[arg-type]
+        "ns",
+        tmp_path / "pods",
+        tmp_path / "bin",
+        on_start=lambda p: seen.append((p.name, p.proc.pid)),
+    )
     try:
         r.sync()
         r.sync()
@@ -140,7 +178,7 @@ def test_vllm_pods_run_from_the_vllm_omni_env_with_the_cpu_plugin(tmp_path: Path
     fake.write_text(f'#!/bin/sh\necho "$0 $*" > {out}; env | sort >> {out}; echo END >> {out}\n')
     fake.chmod(0o755)
     r = runner(tmp_path, env_dir)
-    proc = r._launch(pod("stage", ["vllm", "serve", "/m", "--omni", "--host", "0.0.0.0"]))
+    proc = launch(r, pod("stage", ["vllm", "serve", "/m", "--omni", "--host", "0.0.0.0"]))
     try:
         text = wait_for(out)
     finally:
@@ -159,7 +197,7 @@ def test_stopping_a_pod_stops_the_children_it_started(tmp_path: Path) -> None:
     # The shell starts a child and waits; the child ignores nothing, but only the group signal reaches it.
     script = f"sleep 300 & echo $! > {out}; echo END >> {out}; wait"
     r = runner(tmp_path)
-    proc = r._launch(pod("parent", ["sh", "-c", script]))
+    proc = launch(r, pod("parent", ["sh", "-c", script]))
     child = int(wait_for(out).splitlines()[0])
     assert Path(f"/proc/{child}").exists()
     r._terminate(proc)
