@@ -320,17 +320,17 @@ class PodRunner:
             if status.get("podIP"):
                 ours[meta["uid"]] = pod
         with self._lock:
-            for uid, run in list(self.pods.items()):
+            for uid, gone in list(self.pods.items()):
                 if uid not in ours:
-                    self._forget(run)
+                    self._forget(gone)
                     del self.pods[uid]
             for uid, pod in ours.items():
                 try:
-                    run = self.pods.get(uid)
-                    if run is None:
-                        if (pod.get("status") or {}).get("phase") in ps.TERMINAL_PHASES:
-                            continue  # finished before this runner saw it
-                        run = self.pods[uid] = self._admit(pod)
+                    known = self.pods.get(uid)
+                    if known is None and (pod.get("status") or {}).get("phase") in ps.TERMINAL_PHASES:
+                        continue  # finished before this runner saw it
+                    run = known if known is not None else self._admit(pod)
+                    self.pods[uid] = run
                     self._advance(run)
                     if run.dirty:
                         self._write_status(run)

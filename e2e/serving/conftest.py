@@ -47,8 +47,15 @@ def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: 
         Path(sys.executable).parent,
         # One model cache for all pods, as a shared PVC would be: the tiny model is built once.
         shared_dirs={"model-cache": Path.home() / ".cache" / "omnimodel" / "models"},
-        # Two cores for many processes: one torch thread each avoids thrashing.
-        extra_env={"OMP_NUM_THREADS": "1", "OMNIMODEL_HEALTH_INTERVAL": "0.5"},
+        extra_env={
+            # The fake nodes have no devices: every stage runs on this machine's CPU, whatever vendor the
+            # scheduler placed it on (as `make demo` does).
+            "OMNIMODEL_DEVICE": "cpu",
+            "CUDA_VISIBLE_DEVICES": "",
+            # Two cores for many processes: one torch thread each avoids thrashing.
+            "OMP_NUM_THREADS": "1",
+            "OMNIMODEL_HEALTH_INTERVAL": "0.5",
+        },
     )
     runner.start()
     try:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from omnimodel_testbed.kubeapi import ApiError
 from omnimodel_testbed.kubelet import PodProcess, PodRunner, expand_env_refs, is_vllm_omni, shm_size
 from omnimodel_testbed.runnerpods import RUNNER_LABEL
 from omnimodel_testbed.vllm_omni import VLLM_OMNI_CPU_ENV
@@ -27,6 +29,8 @@ class FakeKube:
             return {"items": list(self.pods.values())}
         if path == "/api/v1/namespaces/ns/persistentvolumeclaims":
             return {"items": self.claims}
+        if path.startswith("/api/v1/namespaces/ns/persistentvolumeclaims/"):
+            raise ApiError("GET", path, 404, "not bound here: the runner's own directory for the claim")
         raise AssertionError(f"unexpected API call GET {path}")
 
     def patch(self, path: str, patch: dict[str, Any], *, strategic: bool = False) -> dict[str, Any]:
@@ -205,3 +209,129 @@ def test_stopping_a_pod_stops_the_children_it_started(tmp_path: Path) -> None:
     while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{child}").exists()
+
+
+def run_pod(tmp_path: Path, p: dict[str, Any], done: Callable[[dict[str, Any]], bool]) -> tuple[FakeKube, PodRunner]:
+    """Sync a runner over ``p`` until its status satisfies ``done`` (what the real loop does every 0.3 s)."""
+    api = FakeKube(p)
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    deadline = time.monotonic() + 20
+    try:
+        while time.monotonic() < deadline:
+            r.sync()
+            if done(api.pods[p["metadata"]["name"]]["status"]):
+                return api, r
+            time.sleep(0.05)
+    finally:
+        r.stop()
+    raise AssertionError(f"pod status never got there: {api.pods[p['metadata']['name']]['status']}")
+
+
+def finished(status: dict[str, Any]) -> bool:
+    return status.get("phase") in ("Succeeded", "Failed")
+
+
+def test_a_job_pod_runs_its_init_container_first_and_fails_with_the_exit_code_and_message(tmp_path: Path) -> None:
+    order = tmp_path / "order.txt"
+    p = runner_pod(
+        "fetch",
+        [
+            "sh",
+            "-c",
+            f'echo main >> {order}; echo "Unauthorized: 401 Invalid credentials" > $0; exit 3',
+            "/dev/termination-log",
+        ],
+        restartPolicy="Never",
+        initContainers=[{"name": "prepare", "command": ["sh", "-c", f"echo init >> {order}"]}],
+    )
+    api, _ = run_pod(tmp_path, p, finished)
+    status = api.pods["fetch"]["status"]
+    assert order.read_text() == "init\nmain\n"
+    assert status["phase"] == "Failed"
+    (init,) = status["initContainerStatuses"]
+    assert init["state"]["terminated"]["exitCode"] == 0
+    (main,) = status["containerStatuses"]
+    term = main["state"]["terminated"]
+    assert (term["exitCode"], term["reason"], term["message"]) == (
+        3,
+        "Error",
+        "Unauthorized: 401 Invalid credentials\n",
+    )
+    # What the Job controller saw on the way: Pending while the init container ran, then Running.
+    phases = [patch["phase"] for name, patch in api.patches if name == "fetch"]
+    assert phases[0] == "Pending" and "Running" in phases and phases[-1] == "Failed"
+
+
+def test_a_failed_init_container_fails_a_never_pod_before_its_container_starts(tmp_path: Path) -> None:
+    marker = tmp_path / "main-ran"
+    p = runner_pod(
+        "stage",
+        ["touch", str(marker)],
+        restartPolicy="Never",
+        initContainers=[{"name": "wait-weights", "command": ["sh", "-c", "exit 1"]}],
+    )
+    api, _ = run_pod(tmp_path, p, finished)
+    status = api.pods["stage"]["status"]
+    assert status["phase"] == "Failed"
+    assert status["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    assert "waiting" in status["containerStatuses"][0]["state"]
+    assert not marker.exists()
+
+
+def test_fallback_to_logs_on_error_gives_the_logs_tail_when_the_file_stays_empty(tmp_path: Path) -> None:
+    p = runner_pod(
+        "crash",
+        ["sh", "-c", "echo starting; echo 'Traceback: boom' >&2; exit 1"],
+        restartPolicy="Never",
+        container={"terminationMessagePolicy": "FallbackToLogsOnError"},
+    )
+    api, _ = run_pod(tmp_path, p, finished)
+    term = api.pods["crash"]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["message"] == "starting\nTraceback: boom\n"
+
+
+def test_on_failure_restarts_the_container_in_place_and_counts(tmp_path: Path) -> None:
+    tries = tmp_path / "tries"
+    # Fails the first time, succeeds the second (the kubelet's first restart comes at once).
+    script = f"echo x >> {tries}; [ $(wc -l < {tries}) -ge 2 ]"
+    p = runner_pod("retry", ["sh", "-c", script], restartPolicy="OnFailure")
+    api, _ = run_pod(tmp_path, p, finished)
+    status = api.pods["retry"]["status"]
+    assert status["phase"] == "Succeeded"
+    (main,) = status["containerStatuses"]
+    assert main["restartCount"] == 1
+    assert main["state"]["terminated"]["exitCode"] == 0
+
+
+def test_a_read_only_claim_is_read_only_for_the_pod_and_writable_for_others(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    script = (
+        'cat "$0/weights.txt" > "$1"; if touch "$0/new" 2>/dev/null; then echo wrote; else echo refused; fi >> "$1"'
+    )
+    p = runner_pod(
+        "reader",
+        ["sh", "-c", script, "/models", str(out)],
+        restartPolicy="Never",
+        volumes=[{"name": "model-cache", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}],
+        container={"volumeMounts": [{"name": "model-cache", "mountPath": "/models", "readOnly": True}]},
+    )
+    claim = tmp_path / "pods" / "_claims" / "ns" / "weights"
+    claim.mkdir(parents=True)
+    (claim / "weights.txt").write_text("tensors\n")
+    api, _ = run_pod(tmp_path, p, finished)
+    assert api.pods["reader"]["status"]["phase"] == "Succeeded"
+    assert out.read_text() == "tensors\nrefused\n"  # the in-container path named the claim's directory
+    (claim / "new").write_text("")  # read-only only inside the pod's mount namespace
+
+
+def test_a_tmp_volume_is_the_containers_tmpdir(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    p = runner_pod(
+        "tmp",
+        ["sh", "-c", f'echo "$TMPDIR" > {out}'],
+        restartPolicy="Never",
+        volumes=[{"name": "tmp", "emptyDir": {}}],
+        container={"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]},
+    )
+    run_pod(tmp_path, p, finished)
+    assert out.read_text().strip() == str(tmp_path / "pods" / "tmp" / "volumes" / "tmp")
