@@ -30,6 +30,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
 
 
+def healthy(url: str) -> bool:
+    """True once ``url``'s ``/health`` answers 200 (a runtime process that has loaded and warmed up)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 class Operator:
     """`omnimodel-operator run` as a subprocess against the test cluster; stopped by PID."""
 

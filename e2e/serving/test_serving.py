@@ -14,7 +14,7 @@ import openai
 import yaml
 
 from omnimodel_testbed.kubelet import PodRunner
-from support import Kube, wait_for
+from support import Kube, healthy, wait_for
 
 REPO = Path(__file__).parents[2]
 
@@ -22,13 +22,6 @@ REPO = Path(__file__).parents[2]
 def example(name: str) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
     return doc
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def stage_requests(url: str) -> float:

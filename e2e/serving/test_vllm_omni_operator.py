@@ -18,13 +18,12 @@ import wave
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from omnimodel_runtime.tiny import ensure_tiny
 from omnimodel_testbed.kubelet import PodProcess, PodRunner
-from support import Kube, wait_for
+from support import Kube, healthy, wait_for
 
 pytestmark = pytest.mark.vllm_omni
 
@@ -34,13 +33,6 @@ CPU_ARGS = ["--dtype", "float32"]
 # head (vLLM-Omni 0.30.0's head can wedge when a replica dies) and then every replica, which reload.
 RECOVERY_BOUND = 300.0
 ADD_REQUEST = re.compile(r"\[StageDiffusionClient\] stage-0 \[rep-(\d+)\] add request")
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def log_text(pod: PodProcess) -> str:

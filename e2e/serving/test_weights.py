@@ -24,7 +24,7 @@ from omnimodel_runtime.pipeline import ModelSource, get_preset, select_files
 from omnimodel_runtime.tiny import ensure_tiny
 from omnimodel_testbed.hfmirror import HubMirror
 from omnimodel_testbed.kubelet import PodProcess, PodRunner
-from support import Kube, wait_for
+from support import Kube, healthy, wait_for
 
 # Up to seven torch processes (three stages, the gateway, two more decode replicas, the fetch) on a small host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -99,13 +99,6 @@ def fetch_jobs(kube: Kube, name: str) -> list[dict[str, Any]]:
 def job_condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
     found = [c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == type_]
     return found[0] if found and found[0]["status"] == "True" else {}
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def read_only_mounts(pid: int) -> set[str]:
