@@ -24,7 +24,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def crd(cluster: ClusterHandle) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s")
+    wait = cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s", check=False
+    )
+    # kubectl's own words: this has failed at once now and then, and a bare exit status says nothing.
+    assert wait.returncode == 0, f"kubectl wait for the CRD exited {wait.returncode}: {wait.stderr.strip()}"
 
 
 @pytest.fixture(scope="session")
