@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI's own limit on stop sequences.
 MAX_STOP_SEQUENCES = 4
 _INT64 = 2**63
+# Token ids are indices into an embedding table: never negative, and no vocabulary has 2^31 entries. The
+# engine checks them against its own vocabulary (a 400 naming ``prompt``); this bound keeps ids that do
+# not even fit an int32 (``10**23``) from reaching a tensor constructor.
+MAX_TOKEN_ID: Final = 2**31 - 1
+
+# A seed every engine accepts: torch generators take the int64 range (and vLLM its own int64 seed).
+Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 def random_id(prefix: str) -> str:
@@ -87,7 +96,7 @@ class _SamplingFields(OpenAIBaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    seed: Seed | None = None
     stop: StopParam = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -233,12 +242,25 @@ class AudioChatCompletionStreamResponse(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. One prompt per request: a string, a one-string list, or token ids."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[TokenId]
     # OpenAI's documented default for the legacy completions API.
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_in_range(cls, value: Any) -> Any:
+        # Checked before the union is tried, so the error names ``prompt`` and the id rather than the
+        # union's first member ("prompt.str: Input should be a valid string").
+        if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise PydanticCustomError(
+                    "token_id", "token ids must be between 0 and {max} (got {bad})", {"max": MAX_TOKEN_ID, "bad": bad}
+                )
+        return value
 
 
 class CompletionResponseChoice(OpenAIBaseModel):

@@ -12,7 +12,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field
 
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, Seed
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
@@ -44,7 +44,7 @@ class SpeechRequest(OpenAIBaseModel):
     # OpenAI's switch: "audio" streams raw audio bytes like ``stream``; "sse" is not served.
     stream_format: Literal["audio", "sse"] | None = None
     # The acoustic model samples (prenet dropout): the same seed gives the same audio.
-    seed: int | None = None
+    seed: Seed | None = None
 
     @property
     def voice_name(self) -> str:

@@ -55,6 +55,7 @@ from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
+    check_token_ids,
     render_prompt,
     resolve_sampling,
 )
@@ -98,8 +99,7 @@ def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[i
     given = request.params.reply_ids
     if given is None:
         return None
-    if not all(0 <= t < vocab for t in given):
-        raise StageError(f"reply_ids must be a list of token ids below {vocab}", status=400)
+    check_token_ids(given, vocab, param="reply_ids")
     if eos.intersection(given):
         # generate() would stop at it: the reply would end early and silently.
         raise StageError("reply_ids must not contain end-of-sequence tokens", status=400)
@@ -229,7 +229,7 @@ class OmniThinkerEngine(OmniEngine):
             prompt_ids, reply = self.speech_prompt(text)
         else:
             _only_text(request)
-            prompt_ids = render_prompt(self._tokenizer, request)
+            prompt_ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab)
             reply = _reply_ids(request, self._vocab, self._defaults.eos_token_ids)
         if reply is not None:
             if not reply:
