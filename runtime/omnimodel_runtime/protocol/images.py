@@ -129,6 +129,25 @@ class ImageGenerationRequest(_ImageFields):
     output_format: Literal["png"] | None = None
     seed: Seed | None = None
     user: str | None = None
+    # OpenAI's knobs for its own models; a diffusion pipeline has no such modes. Only their neutral
+    # values are accepted, anything else is a 400 naming the field (not silently ignored).
+    quality: Literal["auto", "standard"] | None = None
+    style: None = None
+    background: Literal["auto"] | None = None
+    moderation: Literal["auto"] | None = None
+    output_compression: None = None
+
+    @field_validator("quality", "style", "background", "moderation", "output_compression", mode="before")
+    @classmethod
+    def _only_neutral(cls, value: object, info: ValidationInfo) -> object:
+        neutral = {"quality": ("auto", "standard"), "background": ("auto",), "moderation": ("auto",)}
+        if value is not None and value not in neutral.get(info.field_name or "", ()):
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "'{value}' is not supported: a diffusion pipeline has no such setting (leave it out)",
+                {"value": value},
+            )
+        return value
 
     _prompt = field_validator("prompt")(_non_blank)
     _size = field_validator("size")(_check_size)

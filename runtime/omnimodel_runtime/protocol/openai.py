@@ -103,6 +103,12 @@ class _SamplingFields(OpenAIBaseModel):
     user: str | None = None
     # vLLM extension: keep generating past end-of-sequence until max_tokens (benchmarks, tests).
     ignore_eos: bool = False
+    # OpenAI parameters the engines do not implement. Declared so that a request using them is refused
+    # with a 400 naming the field (serving.text) instead of being answered as if they had been applied;
+    # their neutral values (0, {}, null) are accepted.
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     _validate_stop = field_validator("stop")(_check_stop)
 
@@ -134,6 +140,13 @@ class ChatAudioParam(OpenAIBaseModel):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+class ResponseFormat(OpenAIBaseModel):
+    """``response_format``: only ``text`` is served (no constrained decoding); the others are a 400."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -145,6 +158,12 @@ class ChatCompletionRequest(_SamplingFields):
     audio: ChatAudioParam | None = None
     # vLLM-Omni's way of naming the voice (same meaning as ``audio.voice``).
     speaker: Annotated[str, Field(min_length=1)] | None = None
+    # Refused unless neutral (serving.text): structured output, tool choice, legacy functions, logprobs.
+    response_format: ResponseFormat | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -248,6 +267,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    # Refused above 1 (serving.text): one completion per request.
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
