@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnimodel_runtime.api import chat, completions, images, models, speech
 from omnimodel_runtime.api.errors import body_too_large, install_error_handlers
+from omnimodel_runtime.api.openapi import errors, install_openapi, ok, probe
 from omnimodel_runtime.api.state import APIState
 from omnimodel_runtime.metrics import GatewayMetrics
 from omnimodel_runtime.pipeline import Pipeline, Route
@@ -68,6 +69,7 @@ def build_app(
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
     )
     install_error_handlers(app)
+    install_openapi(app)
 
     # Routes only for what the pipeline serves.
     app.include_router(models.router)
@@ -89,11 +91,15 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_body=body_too_large)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=frozenset(served))
 
-    @app.get("/livez")
+    @app.get("/livez", responses=probe("The process is usable", 200) | probe("Start-up failed", 503))
     async def livez() -> JSONResponse:
         return probes.livez(startup)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses=probe("Every stage is reachable and warm", 200)
+        | probe("Starting, or a stage is unavailable (`stages` says which)", 503),
+    )
     async def health() -> JSONResponse:
         """200 once every stage is reachable and warm; 503 before, and again when a stage is lost."""
         ready = startup.ready and orchestrator.ready
@@ -106,7 +112,11 @@ def build_app(
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses=ok("Prometheus text exposition", {"text/plain": {"schema": {"type": "string"}}}) | errors(500),
+    )
     async def metrics_endpoint() -> Response:
         return probes.metrics(registry)
 

@@ -21,7 +21,13 @@ from typing import Annotated, Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from omnimodel_runtime.protocol.openai import ChatMessageParam, OpenAIBaseModel, UsageInfo, random_id
+from omnimodel_runtime.protocol.openai import (
+    ChatMessageParam,
+    OpenAIBaseModel,
+    OpenAIRequestModel,
+    UsageInfo,
+    random_id,
+)
 
 MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 200
@@ -108,7 +114,7 @@ class TextToImageParams(BaseModel):
 # ---------------------------------------------------------------- POST /v1/images/generations
 
 
-class _ImageFields(OpenAIBaseModel):
+class _ImageFields(OpenAIRequestModel):
     """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
 
     negative_prompt: str | None = None

@@ -40,6 +40,14 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class OpenAIRequestModel(OpenAIBaseModel):
+    """What a client sends. Strict: a value of the wrong JSON type is a 400, as the schema says
+    (``"seed": false`` or ``"max_tokens": "5"`` are not quietly turned into 0 and 5); integers still
+    pass as numbers."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -65,7 +73,7 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
@@ -88,7 +96,7 @@ def stop_list(value: StopParam) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(OpenAIRequestModel):
     """Sampling parameters both APIs share (plus vLLM's ``ignore_eos`` extension)."""
 
     model: str | None = None
@@ -116,23 +124,23 @@ class _SamplingFields(OpenAIBaseModel):
 # ---------------------------------------------------------------- chat
 
 
-class ContentPart(OpenAIBaseModel):
+class ContentPart(OpenAIRequestModel):
     """One part of a multi-part message. Text presets render only ``text`` parts; media types arrive
     with the omni presets and are kept (``extra="allow"``) for them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(OpenAIRequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatAudioParam(OpenAIBaseModel):
+class ChatAudioParam(OpenAIRequestModel):
     """OpenAI's ``audio`` request parameter: the voice (a speaker of the model) and the output format
     (``wav`` is a complete file; ``pcm16`` raw little-endian 16-bit samples; streams always send pcm16)."""
 
@@ -140,7 +148,7 @@ class ChatAudioParam(OpenAIBaseModel):
     format: Literal["wav", "pcm16"] = "wav"
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(OpenAIRequestModel):
     """``response_format``: only ``text`` is served (no constrained decoding); the others are a 400."""
 
     type: Literal["text", "json_object", "json_schema"]

@@ -13,7 +13,7 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel, Seed
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestModel, Seed
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
@@ -26,13 +26,13 @@ SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
 REFUSED_FORMATS: Final = {"aac": "no maintained AAC encoder library is available here"}
 
 
-class VoiceRef(OpenAIBaseModel):
+class VoiceRef(OpenAIRequestModel):
     """A voice given as an object (``{"id": "..."}``), as newer OpenAI clients may send it."""
 
     id: Annotated[str, Field(min_length=1, max_length=64)]
 
 
-class SpeechRequest(OpenAIBaseModel):
+class SpeechRequest(OpenAIRequestModel):
     """``POST /v1/audio/speech``."""
 
     model: str | None = None
