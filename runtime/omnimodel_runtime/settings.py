@@ -56,6 +56,8 @@ class RuntimeSettings(BaseSettings):
     pvc_root: Path = Path("/mnt/pvc")
     device: Device = "auto"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # "json": every log line (the access log included) is one JSON object, for log collectors.
+    log_format: Literal["text", "json"] = "text"
 
     # Gateway requests are JSON; a few MiB is plenty and keeps a flood of huge bodies cheap to refuse.
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024

@@ -7,7 +7,6 @@ stream has started, a failure becomes an error chunk followed by ``data: [DONE]`
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -178,7 +177,7 @@ class ChatService(TextService):
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         """A full response, or (``stream=true``) the SSE body."""
-        request_id = secrets.token_hex(16)
+        request_id = self.request_id()
         stage_request = self.stage_request(req, request_id)
         frames = self.orchestrator.generate(stage_request, self.modalities(req))
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
@@ -255,7 +254,7 @@ class CompletionService(TextService):
         )
 
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[bytes]:
-        request_id = secrets.token_hex(16)
+        request_id = self.request_id()
         stage_request = self.stage_request(req, request_id)
         frames = self.orchestrator.generate(stage_request, [Modality.TEXT])
         response_id, created = f"cmpl-{request_id}", int(time.time())

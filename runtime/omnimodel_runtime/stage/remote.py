@@ -28,6 +28,7 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.web.access import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ class RemoteStage(StageHandle):
         if self._client is None:
             raise StageUnavailableError(f"stage {self.name!r} client is not started")
         head = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
+        headers = {**_HEADERS, REQUEST_ID_HEADER: inp.request.request_id}
         failures: list[str] = []
         if inp.upstream is not None:
             # A downstream stage: the body is the request frame followed by the upstream stage's frames
@@ -282,7 +284,7 @@ class RemoteStage(StageHandle):
             endpoint = await self._choose(set(), failures)
             endpoint.in_flight += 1
             try:
-                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream)):
+                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream), headers):
                     yield frame
             finally:
                 endpoint.in_flight -= 1
@@ -294,7 +296,7 @@ class RemoteStage(StageHandle):
             endpoint.in_flight += 1
             started = False
             try:
-                async for frame in self._stream(endpoint, head):
+                async for frame in self._stream(endpoint, head, headers):
                     started = True
                     yield frame
                 return
@@ -309,7 +311,9 @@ class RemoteStage(StageHandle):
             finally:
                 endpoint.in_flight -= 1
 
-    async def _duplex_stream(self, endpoint: Endpoint, body: AsyncIterator[bytes]) -> AsyncIterator[ResponseFrame]:
+    async def _duplex_stream(
+        self, endpoint: Endpoint, body: AsyncIterator[bytes], headers: dict[str, str]
+    ) -> AsyncIterator[ResponseFrame]:
         if self._duplex is None:
             t = self._timeouts
             self._duplex = aiohttp.ClientSession(
@@ -318,7 +322,7 @@ class RemoteStage(StageHandle):
             )
         try:
             async with _Watch(endpoint):
-                resp = await self._duplex.post(endpoint.generate_url, data=body, headers=_HEADERS, chunked=True)
+                resp = await self._duplex.post(endpoint.generate_url, data=body, headers=headers, chunked=True)
             async with resp:
                 if resp.status != 200:
                     raw = await resp.read()
@@ -355,10 +359,10 @@ class RemoteStage(StageHandle):
                     return
         raise StageError(f"stage {self.name!r} at {endpoint.url} ended its response without a final frame", status=502)
 
-    async def _stream(self, endpoint: Endpoint, body: bytes) -> AsyncIterator[ResponseFrame]:
+    async def _stream(self, endpoint: Endpoint, body: bytes, headers: dict[str, str]) -> AsyncIterator[ResponseFrame]:
         assert self._client is not None
         responded = yielded = False
-        request = self._client.build_request("POST", endpoint.generate_url, content=body, headers=_HEADERS)
+        request = self._client.build_request("POST", endpoint.generate_url, content=body, headers=headers)
         try:
             async with _Watch(endpoint):
                 resp = await self._client.send(request, stream=True)

@@ -336,3 +336,40 @@ async def test_metrics_count_requests_and_stage_work(client: openai.AsyncOpenAI,
     assert 'omnimodel_http_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert 'omnimodel_stage_requests_total{outcome="ok",stage="llm"} 1.0' in text
     assert 'omnimodel_requests_in_flight{stage="llm"} 0.0' in text
+
+
+async def test_every_request_gets_an_access_line_and_an_id_that_names_its_stage_request(
+    http: httpx.AsyncClient, fake_serve: FakeServe, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from omnimodel_runtime.web.access import JSONFormatter
+
+    with caplog.at_level(logging.DEBUG, logger="omnimodel_runtime.access"):
+        ok = await http.post(
+            "/v1/chat/completions", json={"model": "text", "messages": USER}, headers={"x-request-id": "client-7"}
+        )
+        bad = await http.post("/v1/chat/completions", json={"model": "text", "messages": []})
+        await http.get("/health")
+    assert ok.headers["x-request-id"] == "client-7"
+    assert len(bad.headers["x-request-id"]) == 32
+    # The stage request carries the same id, so a stage's log lines can be tied to the client's request.
+    (inp,) = fake_serve.engine.requests
+    assert inp.request.request_id == "client-7"
+    assert ok.json()["id"] == "chatcmpl-client-7"
+    lines = [r for r in caplog.records if r.name == "omnimodel_runtime.access"]
+    assert [(r.levelname, r.getMessage().split(" ms")[0].rsplit(" ", 1)[0]) for r in lines] == [
+        ("INFO", "POST /v1/chat/completions 200"),
+        ("INFO", "POST /v1/chat/completions 400"),
+        ("DEBUG", "GET /health 200"),  # probes are polled every second: debug only
+    ]
+    record = json.loads(JSONFormatter().format(lines[0]))
+    assert {k: record[k] for k in ("level", "logger", "method", "path", "status", "request_id")} == {
+        "level": "info",
+        "logger": "omnimodel_runtime.access",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "request_id": "client-7",
+    }
+    assert record["latency_ms"] >= 0
