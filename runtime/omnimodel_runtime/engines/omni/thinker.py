@@ -268,7 +268,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.model.model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
+            hooks.append(self.text_model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": not sampling.greedy}
@@ -303,6 +303,15 @@ class OmniThinkerEngine(OmniEngine):
         job.emit(FinalFrame(reason, Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(criterion.tokens))))
 
     # ------------------------------------------------------------ rows for the talker
+
+    @property
+    def text_model(self) -> Any:
+        """The thinker's text decoder: the module called with the step's ``inputs_embeds`` whose output's
+        ``last_hidden_state`` is final-normed. transformers 5.19 keeps it at ``thinker.model``; in 5.24
+        ``thinker.model`` is the multimodal model and the decoder is its ``language_model`` (with the old
+        attribute, the hook saw ``inputs_embeds=None``: "'NoneType' object is not subscriptable")."""
+        inner = self.model.model
+        return getattr(inner, "language_model", inner)
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The talker's speaker-bos, text-end and text-pad embeddings (thinker ``embed_tokens`` rows)."""

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.compat import cache_kwargs
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
@@ -218,7 +219,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             input_ids=ids.to(self._device),
             attention_mask=mask.to(self._device),
             position_ids=positions.to(self._device),
-            past_key_values=cache,
+            **cache_kwargs(self._model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -241,7 +242,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             input_ids=ids,
             attention_mask=batch.mask,
             position_ids=batch.next_pos.unsqueeze(1),
-            past_key_values=batch.cache,
+            **cache_kwargs(self._model, batch.cache),
             use_cache=True,
         )
         batch.next_pos = batch.next_pos + 1
