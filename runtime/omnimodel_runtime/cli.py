@@ -153,7 +153,7 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
         handler.setFormatter(JSONFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # httpx logs every stage request and health probe at info; the access log already says what matters.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 

@@ -34,7 +34,17 @@ _WHY: Final = {
 # Statuses every route that runs stages can answer; routes add their own.
 STAGE_ERRORS: Final = (400, 401, 404, 413, 500, 502, 503, 504)
 
-SSE: Final = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events, then [DONE]"}}}
+# One server-sent event: ``data`` is a chunk as JSON text (or ``[DONE]``, the last one).
+SSE: Final = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "description": "One server-sent event: `data` holds a JSON chunk, then `[DONE]`",
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "required": ["data"],
+        }
+    }
+}
 
 Responses = dict[int | str, dict[str, Any]]
 

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 
 _HEADERS: Final = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+# Unanswered health probes in a row after which an endpoint counts as hung.
+HUNG_AFTER: Final = 2
 
 
 @dataclass(eq=False)
@@ -47,6 +49,13 @@ class Endpoint:
     # Requests waiting right now for this endpoint's next bytes (headers or a frame), as timeouts that
     # :meth:`stalled` expires at once.
     waiting: set[asyncio.Timeout] = field(default_factory=set)
+    # Health probes in a row that got no answer in time.
+    timeouts: int = 0
+
+    @property
+    def hung(self) -> bool:
+        """Two probes in a row unanswered: the process stopped answering (not just a slow answer)."""
+        return self.timeouts >= HUNG_AFTER
 
     @property
     def generate_url(self) -> str:
@@ -100,15 +109,15 @@ class RemoteStage(StageHandle):
 
     Balancing: each request goes to the healthy endpoint with the fewest requests in flight from this
     gateway (ties rotate). An unhealthy endpoint is out of the pool: when no healthy one is left, every
-    endpoint is probed once more right away (a restart the poller has not seen yet), and without an
-    answer the request fails at once with a 503 naming the stage.
+    endpoint not known to be hung is probed once more right away (a restart the poller has not seen
+    yet), and without an answer the request fails at once with a 503 naming the stage.
 
     Health is active and passive. Active: every ``health_interval`` each endpoint's ``/health`` is asked,
-    with the stage's health timeout; an error or a non-200 takes it out of the pool, a 200 brings it
-    back. A probe that times out means the process stopped answering (SIGSTOP, a wedged node): the
-    requests waiting on it stop waiting, and one that has received nothing yet fails over to another
-    endpoint. Passive: a refused connection, a lost connection or a response silent for the read
-    timeout takes the endpoint out of the pool as well. A refused connection fails over at once (no
+    with the stage's health timeout; an error, a non-200 or no answer in time takes it out of the pool,
+    a 200 brings it back. Two unanswered probes in a row mean the process stopped answering (SIGSTOP, a
+    wedged node): the requests waiting on it stop waiting, and one that has received nothing yet fails
+    over to another endpoint. Passive: a refused connection, a lost connection or a response silent for
+    the read timeout takes the endpoint out of the pool as well. A refused connection fails over at once (no
     request was sent); a connection lost after the response started cannot be retried (tokens already
     went to the client) and fails the request with a 502 that names the stage.
     """
@@ -189,13 +198,18 @@ class RemoteStage(StageHandle):
         try:
             resp = await self._client.get(f"{endpoint.url}/health", timeout=timeout)
         except httpx.TimeoutException:
-            # Accepted (or queued) but not answered: a hung process. Waiting longer on it helps nobody.
+            # Accepted (or queued) but not answered. Once: out of the pool (a CPU-starved process may just
+            # be slow). Twice in a row: a hung process; waiting longer on it helps nobody.
+            endpoint.timeouts += 1
             self._mark(endpoint, healthy=False, error=f"/health did not answer within {timeout:g} s")
-            endpoint.stalled()
+            if endpoint.hung:
+                endpoint.stalled()
             return
         except httpx.HTTPError as err:
+            endpoint.timeouts = 0
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             return
+        endpoint.timeouts = 0
         if resp.status_code == 200:
             self._mark(endpoint, healthy=True, error=None)
         else:
@@ -263,8 +277,10 @@ class RemoteStage(StageHandle):
         endpoint = self._pick(exclude)
         if endpoint is None:
             # Nothing healthy: ask once more now (a restart the poller has not seen yet), bounded by the
-            # health timeout, rather than send the request where it would hang or be refused.
-            await asyncio.gather(*(self._probe(e) for e in self.endpoints if e.url not in exclude))
+            # health timeout, rather than send the request where it would hang or be refused. A hung one
+            # was asked less than a poll interval ago.
+            again = [e for e in self.endpoints if e.url not in exclude and not e.hung]
+            await asyncio.gather(*(self._probe(e) for e in again))
             endpoint = self._pick(exclude)
         if endpoint is None:
             reasons = [*failures, *(f"{e.url}: {e.last_error}" for e in self.endpoints if e.url not in exclude)]

@@ -139,7 +139,7 @@ def _run(operation: Any, mode: Any, base_url: str, model: str, tally: Tally, *, 
         wanted = [*CHECKS, *([checks.negative_data_rejection] if mode.value == "negative" else [])]
         try:
             case.validate_response(response, checks=wanted)
-        except Exception as err:
+        except (Exception, BaseExceptionGroup) as err:  # schemathesis' FailureGroup is a BaseExceptionGroup
             tally.failures.append(f"{label}: {str(err)[:1500]}")
 
     try:

@@ -76,8 +76,9 @@ def test_a_stopped_replica_is_skipped_then_none_left_is_a_fast_503_then_both_com
     a, b, gateway = replicas
     assert {_ask(gateway)[0] for _ in range(4)} == {200}
 
-    # A request that is running on each replica when one of them stops. Non-streamed: nothing reaches
-    # the client before the end, so the one on the stopped replica can start again on the other.
+    # Requests running when a replica stops. Non-streamed: nothing reaches the client before the end, so
+    # one on the stopped replica can start again on the other. (Usually one lands on each replica; on a
+    # loaded machine a slow probe may briefly take one out of the pool, and both go to the other.)
     results: list[tuple[int, float, dict[str, Any]]] = []
     threads = [
         threading.Thread(target=lambda: results.append(_ask(gateway, max_tokens=1500, ignore_eos=True)))
@@ -85,28 +86,30 @@ def test_a_stopped_replica_is_skipped_then_none_left_is_a_fast_503_then_both_com
     ]
     for t in threads:
         t.start()
-    wait_for(lambda: all(e["in_flight"] == 1 for e in _endpoints(gateway).values()), timeout=10, what="one on each")
+    wait_for(lambda: sum(e["in_flight"] for e in _endpoints(gateway).values()) == 2, timeout=20, what="both in flight")
+    busy = _endpoints(gateway)
+    victim, survivor = (a, b) if busy[a.url]["in_flight"] else (b, a)
 
     stopped = time.monotonic()
-    a.signal(signal.SIGSTOP)
-    wait_for(lambda: not _healthy(gateway, a), timeout=10, what="the gateway to see the stopped replica")
+    victim.signal(signal.SIGSTOP)
+    wait_for(lambda: not _healthy(gateway, victim), timeout=10, what="the gateway to see the stopped replica")
     detected = time.monotonic()
-    # Detection takes at most one poll interval plus the health timeout (and the 0.05 s of this poll).
+    # Out of the pool after one unanswered probe: at most a poll interval plus the health timeout.
     assert detected - stopped < HEALTH_INTERVAL + HEALTH_TIMEOUT + 0.5
     status, took, _ = _ask(gateway)
     assert status == 200
     assert time.monotonic() - detected < 1.0, f"a request after detection took {took:.2f} s"
     print(f"stop detected after {detected - stopped:.2f} s; the next request took {took:.2f} s")
     assert {_ask(gateway)[0] for _ in range(5)} == {200}
-    assert _healthy(gateway, b)
+    assert _healthy(gateway, survivor)
     for t in threads:
         t.join(timeout=60)
     assert [r[0] for r in results] == [200, 200], results
-    print(f"the two requests running at the stop took {[round(r[1], 2) for r in results]} s")
+    print(f"the two requests running at the stop took {sorted(round(r[1], 2) for r in results)} s")
 
     # The last replica stops: a request sent before the gateway noticed waits for the detection at most,
     # and one sent after is refused at once. Both are a 503 that names the stage.
-    b.signal(signal.SIGSTOP)
+    survivor.signal(signal.SIGSTOP)
     status, took, body = _ask(gateway)
     assert status == 503, body
     assert took <= 5.0
@@ -114,7 +117,7 @@ def test_a_stopped_replica_is_skipped_then_none_left_is_a_fast_503_then_both_com
     assert "stage 'llm'" in body["error"]["message"]
     status, took, body = _ask(gateway)
     assert status == 503
-    assert took <= HEALTH_TIMEOUT + 0.5, f"took {took:.2f} s"
+    assert took <= 1.0, f"took {took:.2f} s"
     print(f"none left, known: 503 after {took:.2f} s ({body['error']['message']})")
     health = gateway.get("/health")
     assert health is not None
