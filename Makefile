@@ -52,11 +52,15 @@ unit: cluster-build ## Unit and component tests (no cluster)
 
 .PHONY: e2e
 e2e: cluster-build ## End-to-end tests on the local control plane (reuses a running one)
-	$(PY) -m pytest e2e --ignore=e2e/serving $(PYTEST_ARGS)
+	$(PY) -m pytest e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 
 .PHONY: e2e-serving
 e2e-serving: cluster-build ## Real requests through gateway and stage pods (own cluster, in a network namespace)
 	$(PY) -m omnimodel_testbed netns -- $(PY) -m pytest e2e/serving $(PYTEST_ARGS)
+
+.PHONY: e2e-demo
+e2e-demo: cluster-build ## Run `make demo`'s script end to end and check its WAV, PNG and that nothing is left behind
+	$(PY) -m pytest e2e/demo $(PYTEST_ARGS)
 
 # The presets whose engines use transformers and diffusers directly, and the fuzz suite that starts each
 # preset's server: run again against the newest releases (.venv has the lowest the project allows).
@@ -71,10 +75,15 @@ test-newest: ## The omni, TTS, text-to-image and text engines' tests on the newe
 
 .PHONY: test
 test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
-	$(PY) -m pytest tests e2e --ignore=e2e/serving $(PYTEST_ARGS)
+	$(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-newest
 	$(MAKE) --no-print-directory e2e-serving
+	$(MAKE) --no-print-directory e2e-demo
 	$(MAKE) --no-print-directory vllm-omni-catalogue-check
+
+.PHONY: hfmirror-env
+hfmirror-env: ## Build (or reuse) the cached environment of the test bed's Hugging Face mirror (olah); prints its path
+	e2e/hfmirror/setup-env
 
 .PHONY: vllm-omni-env
 vllm-omni-env: ## Build (or reuse) the cached vLLM-Omni CPU environment outside the repo; prints its path
@@ -95,8 +104,11 @@ vllm-omni-catalogue-check: ## Fail when the committed vLLM-Omni catalogue differ
 render: ## Render every example to stdout, as the operator would apply it
 	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
 
-.PHONY: demo
-demo: ## The main job on embedded defaults: serve a tiny text model, ask it once with the openai client
+.PHONY: demo demo-serve
+demo: ## The operator deploys tiny OmniModels on the local cluster; chat, audio, image, scale (DEMO_KEEP=1 leaves it up)
+	$(PY) -m omnimodel_testbed demo
+
+demo-serve: ## The fast in-process demo: `omnimodel serve` on a tiny text model, asked once with the openai client
 	$(VENV_BIN)omnimodel demo
 
 -include e2e/cluster.mk

@@ -4,7 +4,7 @@ uninstall.
 No container engine runs the operator pod (kwok only fakes its lifecycle), so the operator runs as a
 local process with exactly the pod's command and environment, taken from the installed Deployment,
 and with a token of the chart's ServiceAccount (TokenRequest API): every API call it makes goes
-through the chart's RBAC.
+through the chart's RBAC (omnimodel_testbed.operator_process, which `make demo` uses too).
 
 The release watches one fresh namespace (watchNamespaces), so the operator run here never touches
 other suites' objects. The CRD is shared by every suite on the cluster: an existing one is adopted
@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
+from omnimodel_testbed.operator_process import ChartOperator, service_account_kubeconfig
 from omnimodel_testbed.pytest_plugin import ClusterHandle
 from support import wait_for
 
@@ -176,7 +174,7 @@ NEEDED_IN_WATCHED = [
     ("create", "configmaps"), ("patch", "services"), ("delete", "services"), ("create", "serviceaccounts"),
     ("watch", "serviceaccounts"), ("create", "horizontalpodautoscalers.autoscaling"),
     ("delete", "poddisruptionbudgets.policy"), ("patch", "networkpolicies.networking.k8s.io"),
-    ("list", "pods"), ("watch", "pods"), ("create", "events"),
+    ("list", "pods"), ("watch", "pods"), ("create", "events"), ("patch", "deployments.apps/scale"),
 ]  # fmt: skip
 DENIED_IN_WATCHED = [
     ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),  # the gateway only names its key Secret
@@ -213,81 +211,15 @@ def test_rbac_allows_what_the_operator_needs_and_nothing_else(release: Release) 
         assert not release.can_i(verb, resource), f"{verb} {resource} allowed cluster-wide"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def service_account_kubeconfig(release: Release, path: Path) -> Path:
-    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
+def operator_process(release: Release, workdir: Path) -> ChartOperator:
+    """The operator container of the installed Deployment, run here with a token of the chart's
+    ServiceAccount."""
+    deployment = release.get("deployment", FULLNAME, "-n", release.namespace)
     token = release.cluster.kubectl(
         "create", "token", FULLNAME, "-n", release.namespace, "--duration=3600s"
     ).stdout.strip()
-    admin = yaml.safe_load(Path(release.cluster.kubeconfig).read_text())
-    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    cluster = next(c for c in admin["clusters"] if c["name"] == context["cluster"])["cluster"]
-    ca = cluster.get("certificate-authority")
-    if ca and not Path(ca).is_absolute():
-        cluster = {**cluster, "certificate-authority": str(Path(release.cluster.kubeconfig).parent / ca)}
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "testbed", "cluster": cluster}],
-                "users": [{"name": "operator", "user": {"token": token}}],
-                "contexts": [{"name": "operator", "context": {"cluster": "testbed", "user": "operator"}}],
-                "current-context": "operator",
-            }
-        )
-    )
-    path.chmod(0o600)
-    return path
-
-
-class PodAsProcess:
-    """The operator container of the installed Deployment, run here as a process."""
-
-    def __init__(self, release: Release, workdir: Path) -> None:
-        deployment = release.get("deployment", FULLNAME, "-n", release.namespace)
-        (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        self.port = _free_port()
-        command = [*container["command"], *container["args"]]
-        # Same program from this venv; the liveness endpoint moves to a free loopback port.
-        command[0] = str(Path(sys.executable).parent / command[0])
-        command = [
-            f"--liveness=http://127.0.0.1:{self.port}/healthz" if a.startswith("--liveness=") else a for a in command
-        ]
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
-        env["OMNIMODEL_HEALTH_PORT"] = str(self.port)
-        # The pod's metrics port would be shared by every operator process on this host.
-        env["OMNIMODEL_METRICS_PORT"] = str(_free_port())
-        self.env = env
-        self.log = workdir / "operator.log"
-        kubeconfig = service_account_kubeconfig(release, workdir / "sa.kubeconfig")
-        base = {k: v for k, v in os.environ.items() if not k.startswith("OMNIMODEL_")}
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**base, **env, "KUBECONFIG": str(kubeconfig)}
-            )
-
-    def healthy(self) -> bool:
-        assert self.proc.poll() is None, f"operator exited:\n{self.log.read_text()[-4000:]}"
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+    kubeconfig = service_account_kubeconfig(release.cluster.kubeconfig, token, workdir / "sa.kubeconfig")
+    return ChartOperator(deployment, kubeconfig, workdir)
 
 
 def ready_condition(release: Release, name: str) -> dict[str, Any] | None:
@@ -300,7 +232,7 @@ def ready_condition(release: Release, name: str) -> dict[str, Any] | None:
 
 
 def test_operator_running_as_the_service_account_makes_an_example_ready(release: Release, tmp_path: Path) -> None:
-    operator = PodAsProcess(release, tmp_path)
+    operator = operator_process(release, tmp_path)
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     try:
         assert json.loads(operator.env["OMNIMODEL_NAMESPACES"]) == [release.watched]

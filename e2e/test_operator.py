@@ -326,6 +326,30 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.stages[0].task", "the engine does not run this task"],
     ),
     (
+        "vllm-omni stage not in the deploy config",
+        _bad(
+            lambda s: s.update(
+                preset=None, runtime={"kind": "vllm-omni", "deployConfig": "qwen3_omni_moe"}, stages=[{"name": "talkr"}]
+            )
+        ),
+        ["spec.stages", "named like one of the deploy config's stages"],
+    ),
+    (
+        "vllm-omni with a preset",
+        _bad(lambda s: s.update(runtime={"kind": "vllm-omni", "deployConfig": "qwen2_5_omni"}, stages=None)),
+        ["spec.preset", "not a preset"],
+    ),
+    (
+        "deployConfig without vllm-omni",
+        _bad(lambda s: s.update(runtime={"deployConfig": "qwen2_5_omni"})),
+        ["spec.runtime.kind", "need runtime.kind vllm-omni"],
+    ),
+    (
+        "unknown deploy config",
+        _bad(lambda s: s.update(preset=None, stages=None, runtime={"kind": "vllm-omni", "deployConfig": "qwen9"})),
+        ["spec.runtime.deployConfig", "Unsupported value"],
+    ),
+    (
         "reserved stage name",
         _custom([{"name": "gateway", "kind": "ar", "engine": "vllm", "task": "text-generation", "outputs": ["text"]}]),
         ["spec.stages[0].name", "reserved"],

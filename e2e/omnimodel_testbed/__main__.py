@@ -1,4 +1,4 @@
-"""Command line: ``python -m omnimodel_testbed up|down|status|kubeconfig|helm-path|build|netns|private-shm``.
+"""Command line: ``python -m omnimodel_testbed up|down|status|kubeconfig|helm-path|build|netns|private-shm|demo|enter``.
 
 Only the requested value goes to stdout (so ``$(python -m omnimodel_testbed
 kubeconfig)`` works); progress and diagnostics go to stderr.
@@ -50,6 +50,32 @@ def _parser() -> argparse.ArgumentParser:
     shm = sub.add_parser("private-shm", help="exec a command with its own empty /dev/shm, as a pod has")
     shm.add_argument("--size", default=DEFAULT_SHM_SIZE, help="tmpfs size (default: %(default)s)")
     shm.add_argument("cmd", nargs=argparse.REMAINDER, help="command (after --)")
+    demo = sub.add_parser(
+        "demo",
+        help="`make demo`: the operator deploys tiny OmniModels on a cluster in a network namespace; "
+        "chat, audio, image, scale, teardown (state dir default: $OMNIMODEL_TESTBED_STATE_DIR or <cache>/demo)",
+    )
+    demo.add_argument(
+        "--keep",
+        action="store_true",
+        default=os.environ.get("DEMO_KEEP", "") not in ("", "0"),
+        help="leave everything running at the end (until Ctrl-C) and print how to reach it (env DEMO_KEEP=1)",
+    )
+    demo.add_argument(
+        "--vllm-omni",
+        action="store_true",
+        default=os.environ.get("DEMO_VLLM_OMNI", "") not in ("", "0"),
+        help="also deploy a tiny image model on vLLM-Omni's own engines (head + headless replica); builds "
+        "the cached vLLM-Omni environment on first use (env DEMO_VLLM_OMNI=1)",
+    )
+    demo.add_argument("--out", type=Path, default=None, help="where the WAV and PNG go (default: <state dir>/output)")
+    # Internal: the half of the demo that runs inside the network namespace.
+    demo.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    demo.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    enter = sub.add_parser(
+        "enter", help="run a command (default: a shell) inside a running `demo --keep`'s network namespace"
+    )
+    enter.add_argument("cmd", nargs=argparse.REMAINDER, help="command (after --)")
     return p
 
 
@@ -78,6 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             argv = private_shm_argv(cmd, args.size)
             os.execv(argv[0], argv)
+        if args.command in ("demo", "enter"):
+            from . import demo  # the openai client: only the demo needs it
+
+            if args.command == "enter":
+                cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+                return demo.enter(args.state_dir, cmd)
+            return demo.run(args, args.state_dir)
         if args.command == "helm-path":
             print(ensure_built().path("helm"))
             return 0

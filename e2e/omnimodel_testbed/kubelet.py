@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .kubeapi import KubeAPI
+from .netns import POD_INTERFACE
 from .shm import DEFAULT_SHM_SIZE, private_shm_argv
 from .vllm_omni import VLLM_OMNI_CPU_ENV
 from .vllm_omni import ensure_env as ensure_vllm_omni_env
@@ -55,6 +56,22 @@ def expand_env_refs(value: str, env: Mapping[str, str]) -> str:
         return env.get(m.group(1), m.group(0))
 
     return _ENV_REF.sub(sub, value)
+
+
+def pod_address(ip: str, *, add: bool) -> None:
+    """Put a pod's IP on the namespace's pod interface (or take it off), as a CNI puts it on the pod's
+    eth0. Outside the test bed's network namespace (no such interface) there is nothing to do."""
+    # /proc/net is the calling process's network namespace (/sys/class/net may still be the host's).
+    names = {line.split(":", 1)[0].strip() for line in Path("/proc/net/dev").read_text().splitlines() if ":" in line}
+    if POD_INTERFACE not in names:
+        return
+    ip_tool = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin") or "ip"
+    verb = "add" if add else "del"
+    result = subprocess.run(
+        [ip_tool, "addr", verb, f"{ip}/32", "dev", POD_INTERFACE], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0 and "File exists" not in result.stderr and "Cannot assign" not in result.stderr:
+        log.warning("ip addr %s %s failed: %s", verb, ip, result.stderr.strip())
 
 
 def is_vllm_omni(container: Mapping[str, Any]) -> bool:
@@ -112,6 +129,7 @@ class PodRunner:
         extra_env: Mapping[str, str] | None = None,
         interval: float = 0.3,
         vllm_omni_env: Callable[[], Path] = ensure_vllm_omni_env,
+        on_start: Callable[[PodProcess], None] | None = None,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -123,6 +141,8 @@ class PodRunner:
         self.interval = interval
         # Resolved on the first vLLM-Omni pod only: suites without one never build that environment.
         self.vllm_omni_env = vllm_omni_env
+        # Told about every process right after it starts (e.g. to record its PID for a later cleanup).
+        self.on_start = on_start
         self.running: dict[str, PodProcess] = {}
         self.started: list[str] = []
         self._lock = threading.Lock()
@@ -139,8 +159,14 @@ class PodRunner:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            for pod in list(self.running.values()):
+            pods = list(self.running.values())
+            # Every pod told at once (they drain in parallel, as a node's pods do), then each awaited.
+            for pod in pods:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pod.proc.pid, signal.SIGTERM)
+            for pod in pods:
                 self._terminate(pod)
+                pod_address(pod.ip, add=False)
             self.running.clear()
 
     def _loop(self) -> None:
@@ -164,11 +190,14 @@ class PodRunner:
             for uid, proc in list(self.running.items()):
                 if uid not in alive:
                     self._terminate(proc)
+                    pod_address(proc.ip, add=False)
                     del self.running[uid]
             for uid, pod in alive.items():
                 if uid not in self.running:
                     self.running[uid] = self._launch(pod)
                     self.started.append(pod["metadata"]["name"])
+                    if self.on_start is not None:
+                        self.on_start(self.running[uid])
 
     def processes(self, name_prefix: str = "") -> list[PodProcess]:
         with self._lock:
@@ -189,13 +218,20 @@ class PodRunner:
                 continue
             target = root / "volumes" / name
             target.mkdir(parents=True, exist_ok=True)
-            if "configMap" in volume:
-                cm_name = volume["configMap"]["name"]
-                cm = self.api.get(f"/api/v1/namespaces/{self.namespace}/configmaps/{cm_name}")
-                for key, value in (cm.get("data") or {}).items():
-                    (target / key).write_text(value)
+            sources = [volume] if "configMap" in volume else (volume.get("projected") or {}).get("sources") or []
+            for source in sources:
+                if "configMap" in source:
+                    self._write_configmap(source["configMap"], target)
             out[name] = target
         return out
+
+    def _write_configmap(self, ref: Mapping[str, Any], target: Path) -> None:
+        """A configMap volume or projected source: every key as a file, or only ``items`` (key → path)."""
+        cm = self.api.get(f"/api/v1/namespaces/{self.namespace}/configmaps/{ref['name']}")
+        data = cm.get("data") or {}
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            (target / item["path"]).write_text(data[item["key"]])
 
     def _field_value(self, pod: Mapping[str, Any], path: str) -> str:
         """The downward API's ``fieldRef`` values a stage pod uses."""
@@ -214,6 +250,7 @@ class PodRunner:
     def _launch(self, pod: Mapping[str, Any]) -> PodProcess:
         meta, spec = pod["metadata"], pod["spec"]
         ip = pod["status"]["podIP"]
+        pod_address(ip, add=True)
         container = spec["containers"][0]
         root = self.workdir / meta["name"]
         root.mkdir(parents=True, exist_ok=True)
@@ -235,6 +272,10 @@ class PodRunner:
             return value
 
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
+        if env.get("PYTHONPATH"):
+            # The pod runs in its own directory: a relative entry (`PYTHONPATH=operator:runtime:e2e`, this
+            # checkout's code) would name nothing there, and the venv's installed copy would run instead.
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
         container_env: dict[str, str] = {}
         for item in container.get("env") or []:
             source = item.get("valueFrom") or {}

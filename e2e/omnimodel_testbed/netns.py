@@ -17,30 +17,40 @@ cluster it started (if any) is stopped afterwards by PID from outside.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 
 from .binaries import cache_root
 from .cluster import Cluster, ClusterError
 
-__all__ = ["CLUSTER_DNS", "NETNS_POD_CIDR", "netns_argv", "run_in_netns"]
+__all__ = ["CLUSTER_DNS", "NETNS_POD_CIDR", "POD_INTERFACE", "netns_argv", "run_in_netns", "run_passing_signals"]
 
 log = logging.getLogger("omnimodel_testbed")
 
 #: Pod CIDR used inside the namespace (kube-flannel's conventional default).
 NETNS_POD_CIDR = "10.244.0.0/16"
 
-# lo up, the pod CIDR local on lo, and (in the private mount namespace) a resolv.conf that points at
-# the test bed's cluster DNS (omnimodel_testbed.dns), so in-cluster names resolve for pod processes.
+# lo up, the pod CIDR local on lo, a network interface that carries each pod's IP as a real pod's eth0
+# does (POD_INTERFACE: the pod runner adds and removes the addresses; libraries such as Mooncake's
+# transfer engine refuse an address that no non-loopback interface holds), and (in the private mount
+# namespace) a resolv.conf that points at the test bed's cluster DNS (omnimodel_testbed.dns), so
+# in-cluster names resolve for pod processes.
 _SETUP = (
     'set -e; "$1" link set lo up; "$1" route add local "$2" dev lo; '
+    '"$1" link add omnipods type veth peer name omnipods-peer; '
+    '"$1" link set omnipods up; "$1" link set omnipods-peer up; '
     'mount --bind "$3" /etc/resolv.conf; shift 3; exec "$@"'
 )
+#: The interface pod IPs are assigned to inside the namespace.
+POD_INTERFACE = "omnipods"
 #: Where the cluster DNS listens inside the namespace (what the bound resolv.conf names).
 CLUSTER_DNS = ("127.0.0.53", 53)
 
@@ -73,6 +83,34 @@ def netns_argv(cmd: Sequence[str], resolv_conf: Path, pod_cidr: str = NETNS_POD_
     ]
 
 
+def run_passing_signals(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    forward: Mapping[signal.Signals, signal.Signals | None],
+) -> int:
+    """Run ``argv`` to its end and return its exit status, passing signals on as ``forward`` says.
+
+    ``forward`` maps a signal this process gets to the one the child gets, or to None: ignored here,
+    because the child got it too (a terminal's Ctrl-C reaches its whole foreground process group). The
+    child is never killed early, so whatever it cleans up on an interrupt, it cleans up completely
+    (``subprocess.run`` would SIGKILL it 0.25 s after a Ctrl-C).
+    """
+    child = subprocess.Popen(list(argv), env=dict(env))
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        to = forward[signal.Signals(signum)]
+        if to is not None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(to)
+
+    previous = {sig: signal.signal(sig, handler) for sig in forward}
+    try:
+        return child.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def run_in_netns(
     cmd: Sequence[str],
     *,
@@ -101,7 +139,11 @@ def run_in_netns(
         resolv_conf = state_dir / "resolv.conf"
         # One quick try: names outside the cluster have nowhere to go in here anyway.
         resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:1 attempts:1\n")
-        rc = subprocess.run(netns_argv(cmd, resolv_conf, pod_cidr), env=env, check=False).returncode
+        # Ctrl-C reaches the command from the terminal; a SIGTERM for us becomes its Ctrl-C (pytest then
+        # runs its fixtures' teardown, which stops the pod processes it started).
+        rc = run_passing_signals(
+            netns_argv(cmd, resolv_conf, pod_cidr), env, {signal.SIGINT: None, signal.SIGTERM: signal.SIGINT}
+        )
     finally:
         # PIDs are shared with the host, so a cluster left running inside
         # (which keeps the namespace alive) is stopped from here by PID.

@@ -27,6 +27,7 @@ __all__ = [
     "free_ports",
     "is_alive",
     "log_tail",
+    "record",
     "start",
     "stop",
     "wait_until",
@@ -135,6 +136,15 @@ def start(
         proc.wait()
         raise RuntimeError(f"{name} exited immediately (code {proc.returncode}); see {log}")
     return ProcessRecord(name=name, pid=proc.pid, start_ticks=st[1], exe=str(argv[0]), log=str(log))
+
+
+def record(name: str, pid: int, log: str | Path, exe: str = "") -> ProcessRecord:
+    """Identity of a running process started elsewhere (e.g. a pod's), so another process can stop it
+    later with :func:`stop`; raises RuntimeError when ``pid`` is already gone."""
+    st = _stat(pid)
+    if st is None:
+        raise RuntimeError(f"{name} (pid {pid}) is not running")
+    return ProcessRecord(name=name, pid=pid, start_ticks=st[1], exe=exe, log=str(log))
 
 
 def _signal_group(rec: ProcessRecord, sig: signal.Signals) -> None:

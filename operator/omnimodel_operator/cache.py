@@ -26,6 +26,8 @@ CHILD_INDEXES: Final[Mapping[str, str]] = {
     "horizontalpodautoscalers": "HorizontalPodAutoscaler",
     "poddisruptionbudgets": "PodDisruptionBudget",
     "networkpolicies": "NetworkPolicy",
+    "jobs": "Job",
+    "persistentvolumeclaims": "PersistentVolumeClaim",
 }
 # Kind → apiVersion, for objects whose watch events lack them (list items do).
 _API_VERSIONS: Final[Mapping[str, str]] = {
@@ -37,6 +39,8 @@ _API_VERSIONS: Final[Mapping[str, str]] = {
     "HorizontalPodAutoscaler": "autoscaling/v2",
     "PodDisruptionBudget": "policy/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
+    "Job": "batch/v1",
+    "PersistentVolumeClaim": "v1",
 }
 
 

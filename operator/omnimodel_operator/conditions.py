@@ -9,7 +9,8 @@ from typing import Any, Final
 READY: Final = "Ready"
 PROGRESSING: Final = "Progressing"
 DEGRADED: Final = "Degraded"
-CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED)
+WEIGHTS_READY: Final = "WeightsReady"  # only on OmniModels whose weights the operator fetches
+CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED, WEIGHTS_READY)
 
 # Reasons (UpperCamelCase), most severe first; the summary Ready reason is the first that applies.
 INVALID_SPEC: Final = "InvalidSpec"
@@ -19,6 +20,9 @@ UPDATING: Final = "Updating"
 PODS_NOT_READY: Final = "PodsNotReady"
 RECONCILE_ERROR: Final = "ReconcileError"
 NAME_CONFLICT: Final = "NameConflict"
+# Ready=False while the fetch Job has not put the weights in the cache, or after it gave up.
+FETCHING_WEIGHTS: Final = "FetchingWeights"
+WEIGHTS_FAILED: Final = "WeightsFailed"
 ALL_READY: Final = "AllStagesReady"
 STAGES_SCALED_TO_ZERO: Final = "StagesScaledToZero"
 ROLLOUT_COMPLETE: Final = "RolloutComplete"

@@ -22,9 +22,10 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus
 from omnimodel_operator.kube import ApiError, KubeClient, Manifest
 from omnimodel_operator.metrics import InstrumentedKube, OperatorMetrics, ReadyStatus, Trigger, ready_of
 from omnimodel_operator.reconcile import Observed, Outcome, reconcile, utc_now
@@ -138,7 +139,7 @@ class Cache(Protocol):
         ...
 
 
-Reason = Literal["omnimodel", "child", "resync", "retry"]
+Reason = Literal["omnimodel", "child", "resync", "retry", "autoscaler", "weights"]
 
 
 class Controller:
@@ -166,6 +167,10 @@ class Controller:
         # The status this operator last wrote, per OmniModel uid (see reconcile's last_status).
         self._written: dict[Key, tuple[str | None, dict[str, Any]]] = {}
         self._ready: dict[Key, ReadyStatus] = {}
+        # Autoscaling decisions per OmniModel, shown in status (set when the autoscaler runs).
+        self.autoscaler_status: Callable[[Key], Mapping[str, AutoscalerStatus]] = lambda key: {}
+        # The running fetch's last /progress per OmniModel, shown in status.weights.
+        self.weights_progress: Callable[[Key], Mapping[str, Any] | None] = lambda key: None
         self._idle = asyncio.Event()
         self._idle.set()
         self._busy = 0
@@ -251,7 +256,8 @@ class Controller:
             with self.metrics.reconcile_pass(trigger) as record:
                 outcome = await reconcile(
                     self.client, body, self.cache.observed(namespace, name), self.settings, self._now,
-                    last_status=last,
+                    last_status=last, autoscalers=self.autoscaler_status(key),
+                    weights_progress=self.weights_progress(key),
                 )  # fmt: skip
                 record.finished(outcome)
         except ApiError as err:

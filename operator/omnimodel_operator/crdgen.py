@@ -89,6 +89,12 @@ def _resolve(node: Any, defs: Mapping[str, Any]) -> Any:
         default = node["default"]
         if not isinstance(default, (dict, list)) and default != "" and "Default" not in out["description"]:
             out["description"] = f"{out['description']} Default: {default}."
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema 2020 (pydantic's gt/lt) writes the bound itself; OpenAPI v3 (Kubernetes) wants
+        # the bound in minimum/maximum and a boolean flag.
+        if isinstance(out.get(flag), (int, float)) and not isinstance(out.get(flag), bool):
+            out[bound] = out[flag]
+            out[flag] = True
     if out.get("type") == "object" and out.get("additionalProperties") is True:
         del out["additionalProperties"]
         out["x-kubernetes-preserve-unknown-fields"] = True

@@ -16,11 +16,13 @@ from typing import Any
 import kopf
 
 from omnimodel_operator import constants as C
+from omnimodel_operator.autoscaler.loop import Autoscaler
 from omnimodel_operator.cache import IndexCache, instance_of, owner_of, snapshot
 from omnimodel_operator.controller import Controller
 from omnimodel_operator.kube import HttpKube, load_connection
 from omnimodel_operator.metrics import MetricsServer, OperatorMetrics
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.weights_progress import WeightsProgress
 
 OWNED = {C.LABEL_MANAGED_BY: C.MANAGED_BY}
 
@@ -57,16 +59,30 @@ async def start_controller(memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) 
     """The indexes arrive as keyword arguments named after their functions below."""
     client = HttpKube(load_connection())
     memo.client = client
-    memo.controller = Controller(client, IndexCache.from_kwargs(kwargs), memo.settings, memo.metrics, logger=logger)
-    memo.controller_task = asyncio.create_task(memo.controller.run())
+    cache = IndexCache.from_kwargs(kwargs)
+    controller = Controller(client, cache, memo.settings, memo.metrics, logger=logger)
+    autoscaler = Autoscaler(
+        controller.client, cache, memo.settings, on_decision=lambda key: controller.enqueue(key, "autoscaler")
+    )
+    controller.autoscaler_status = autoscaler.status_of
+    progress = WeightsProgress(cache, memo.settings, on_change=lambda key: controller.enqueue(key, "weights"))
+    controller.weights_progress = progress.progress_of
+    memo.controller, memo.autoscaler, memo.weights_progress = controller, autoscaler, progress
+    memo.controller_task = asyncio.create_task(controller.run())
+    memo.autoscaler_task = asyncio.create_task(autoscaler.run())
+    memo.weights_task = asyncio.create_task(progress.run())
 
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("controller_task")
-    if task is not None:
+    names = ("controller_task", "autoscaler_task", "weights_task")
+    tasks = [t for t in (memo.get(n) for n in names) if t is not None]
+    for task in tasks:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for closable in (memo.get("autoscaler"), memo.get("weights_progress")):
+        if closable is not None:
+            await closable.aclose()
     client = memo.get("client")
     if client is not None:
         await client.aclose()
@@ -129,6 +145,16 @@ async def networkpolicies(namespace: str | None, body: kopf.Body, **_: Any) -> d
     return _by_instance(namespace, body)
 
 
+@kopf.index("batch", "v1", "jobs", labels=OWNED)
+async def jobs(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    return _by_instance(namespace, body)
+
+
+@kopf.index("v1", "persistentvolumeclaims", labels=OWNED)
+async def persistentvolumeclaims(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    return _by_instance(namespace, body)
+
+
 @kopf.index("v1", "pods", labels=OWNED)
 async def pods(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
     return _by_instance(namespace, body)
@@ -149,6 +175,8 @@ async def omnimodel_changed(memo: kopf.Memo, type: str, namespace: str | None, n
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=OWNED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
+@kopf.on.event("batch", "v1", "jobs", labels=OWNED)
+@kopf.on.event("v1", "persistentvolumeclaims", labels=OWNED)
 @kopf.on.event("v1", "pods", labels=OWNED)
 async def child_changed(memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
     memo.controller.on_child(namespace or "", owner_of(body), labels.get(C.LABEL_INSTANCE))

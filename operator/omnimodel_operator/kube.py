@@ -36,6 +36,8 @@ RESOURCES: Final[Mapping[tuple[str, str], tuple[str, bool]]] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
+    ("batch/v1", "Job"): ("jobs", True),
+    ("v1", "PersistentVolumeClaim"): ("persistentvolumeclaims", True),
     ("omnimodel.io/v1alpha1", "OmniModel"): ("omnimodels", True),
 }
 
@@ -72,6 +74,10 @@ class KubeClient(Protocol):
     ) -> Manifest: ...
 
     async def create(self, manifest: Manifest) -> Manifest: ...
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest: ...
 
 
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -224,6 +230,18 @@ class HttpKube:
             "PATCH",
             _path(api_version, kind, namespace, name) + "/status",
             content=json.dumps({"status": status}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest:
+        """Set replicas through the scale subresource (as `kubectl scale` and HPAs do)."""
+        return await self._request(
+            "PATCH",
+            _path(api_version, kind, namespace, name) + "/scale",
+            params={"fieldManager": field_manager},
+            content=json.dumps({"spec": {"replicas": replicas}}),
             headers={"Content-Type": "application/merge-patch+json"},
         )
 

@@ -37,16 +37,16 @@ __all__ = [
 ]
 
 # What queued a pass: an event on the OmniModel, an event on one of its children or pods, the periodic
-# safety-net pass, or a retry after a failure.
-Trigger = Literal["omnimodel", "child", "resync", "retry"]
+# safety-net pass, a retry after a failure, or an autoscaling decision (its status).
+Trigger = Literal["omnimodel", "child", "resync", "retry", "autoscaler", "weights"]
 # How it ended. apply_error: the API server refused a child (status says which); name_conflict: a child's
 # name is taken; not_found: the OmniModel was deleted while we worked; api_error: status could not be
 # written; error: a bug, not the API server.
 Result = Literal["ok", "invalid_spec", "apply_error", "name_conflict", "not_found", "api_error", "error"]
 # A KubeClient request; `status` is the status subresource, `event` an Event. get/list are the only reads:
 # everything else the operator reads comes from its watch-fed cache.
-Verb = Literal["apply", "delete", "status", "event", "create", "get", "list"]
-WRITE_VERBS: Final = ("apply", "delete", "status", "event", "create")
+Verb = Literal["apply", "delete", "status", "event", "create", "get", "list", "scale"]
+WRITE_VERBS: Final = ("apply", "delete", "status", "event", "create", "scale")
 # The values of the Ready condition; Unknown also covers an OmniModel no pass has written status for yet.
 ReadyStatus = Literal["True", "False", "Unknown"]
 
@@ -196,6 +196,13 @@ class InstrumentedKube:
     ) -> Manifest:
         result = await self._inner.patch_status(api_version, kind, namespace, name, status)
         self._metrics.api_request("status", kind)
+        return result
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest:
+        result = await self._inner.scale(api_version, kind, namespace, name, replicas, field_manager)
+        self._metrics.api_request("scale", kind)
         return result
 
     async def create(self, manifest: Manifest) -> Manifest:

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import OmniModelStatus
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, OmniModelStatus
 from omnimodel_operator.builders import Manifest, render
+from omnimodel_operator.builders.weights import fetches, job_name
 from omnimodel_operator.drift import drift
 from omnimodel_operator.kube import ApiError, KubeClient
 from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
@@ -29,8 +30,11 @@ from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.status import Problems, component_state, compute_status, invalid_status, status_dict
 from omnimodel_operator.vllm_omni.plan import VllmPlan
 from omnimodel_operator.vllm_omni.state import vllm_components
+from omnimodel_operator.weights import weights_state
 
 Key = tuple[str, str]  # (kind, name)
+# The label the Job controller puts on its pods (Kubernetes 1.27+; the bare job-name too).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 
 def utc_now() -> str:
@@ -159,6 +163,8 @@ def _status(
     generation: int | None,
     now: str,
     problems: Problems,
+    autoscalers: Mapping[str, AutoscalerStatus],
+    progress: Mapping[str, Any] | None = None,
 ) -> OmniModelStatus:
     hpas = {
         sp.name: hpa
@@ -167,7 +173,12 @@ def _status(
     }
     if isinstance(plan, VllmPlan):
         stages, gateway = vllm_components(plan, current, pods)
-        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
+        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers)
+    weights = None
+    if fetches(plan):
+        job = job_name(plan)
+        job_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
+        weights = weights_state(job, plan.spec.model.revision, current.get(("Job", job)), job_pods, progress)
     stages = []
     for sp in plan.stages:
         name = naming.stage_name(plan.name, sp.stage.name)
@@ -175,7 +186,7 @@ def _status(
         stages.append(component_state(sp.stage.name, current.get(("Deployment", name)), mine))
     gateway_pods = [p for p in pods if _matches(p, naming.gateway_selector(plan.name))]
     gateway = component_state("gateway", current.get(("Deployment", naming.gateway_name(plan.name))), gateway_pods)
-    return compute_status(plan, stages, gateway, hpas, old, generation, now, problems)
+    return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers, weights)
 
 
 async def write_status(
@@ -187,12 +198,21 @@ async def write_status(
     meta = body["metadata"]
     patch = {**new, **{k: None for k in old if k not in new}}
     await client.patch_status(C.API_VERSION, C.KIND, meta["namespace"], meta["name"], patch)
-    event = transition_event(body, old, new, now)
-    if event is not None:
-        # An Event is a courtesy: losing one must not fail (and so repeat) a pass whose status is written.
-        with contextlib.suppress(ApiError):
-            await client.create(event)
+    for event in (weights_event(body, old, new, now), transition_event(body, old, new, now)):
+        if event is not None:
+            # An Event is a courtesy: losing one must not fail (and so repeat) a pass whose status is written.
+            with contextlib.suppress(ApiError):
+                await client.create(event)
     return True
+
+
+def weights_event(body: Mapping[str, Any], old: Mapping[str, Any], new: Mapping[str, Any], now: str) -> Manifest | None:
+    """One Event when the fetch completes (a failure shows as Ready's WeightsFailed transition)."""
+    before = (old.get("weights") or {}).get("state")
+    after = new.get("weights") or {}
+    if after.get("state") != "Complete" or before == "Complete":
+        return None
+    return event(body, "Normal", "WeightsFetched", str(after.get("message") or ""), now)
 
 
 def transition_event(
@@ -206,13 +226,15 @@ def transition_event(
     if before is not None and (before["status"], before["reason"]) == (after["status"], after["reason"]):
         return None
     if after["status"] == "True":
-        return _event(body, "Normal", "Ready", after["message"], now)
+        return event(body, "Normal", "Ready", after["message"], now)
     if after["reason"] == cond.UPDATING:
-        return _event(body, "Normal", "RollingOut", after["message"], now)
-    return _event(body, "Warning", after["reason"], after["message"], now)
+        return event(body, "Normal", "RollingOut", after["message"], now)
+    if after["reason"] == cond.FETCHING_WEIGHTS:
+        return event(body, "Normal", cond.FETCHING_WEIGHTS, after["message"], now)
+    return event(body, "Warning", after["reason"], after["message"], now)
 
 
-def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
+def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> Manifest:
     meta = body["metadata"]
     return {
         "apiVersion": "v1",
@@ -245,6 +267,8 @@ async def reconcile(
     now: Callable[[], str] = utc_now,
     *,
     last_status: Mapping[str, Any] | None = None,
+    autoscalers: Mapping[str, AutoscalerStatus] | None = None,
+    weights_progress: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Bring one OmniModel's children and status in line with its spec.
 
@@ -278,7 +302,9 @@ async def reconcile(
         current = await _apply_children(client, desired, live, outcome)
         await _prune(client, [obj for key, obj in live.items() if key not in wanted], outcome)
     problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts))
-    status = _status(plan, current, observed.pods, old, generation, now(), problems)
+    status = _status(
+        plan, current, observed.pods, old, generation, now(), problems, autoscalers or {}, weights_progress
+    )
     outcome.status = status_dict(status)
     await write_status(client, body, old_raw, outcome.status, now())
     return outcome

@@ -82,6 +82,17 @@ class OperatorSettings(BaseSettings):
         description="Port of the Prometheus endpoint `/metrics` (all interfaces); 0 serves no metrics.",
     )
 
+    autoscale_interval: float = Field(
+        default=10.0, gt=0, description="Seconds between the autoscaler's decisions (stages on provider operator)."
+    )
+    autoscale_scrape_timeout: float = Field(
+        default=2.0, gt=0, description="Seconds the autoscaler waits for a pod's /metrics."
+    )
+    weights_progress_interval: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds between reads of a running fetch pod's /progress for status.weights.",
+    )
     vllm_omni_images: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_VLLM_OMNI_IMAGES),
         description="vLLM-Omni image per accelerator vendor (JSON object), for runtime.kind vllm-omni when a "

@@ -15,6 +15,9 @@ Condition semantics (the choices DESIGN left open):
 - **Progressing** is True while a rollout or scale-up is under way *or stuck*, with the reason:
   ``InsufficientCapacity`` (pods cannot be scheduled), ``ProgressDeadlineExceeded`` (the Deployment
   controller gave up waiting), ``PodsNotReady`` (new pods run but never became ready), ``Updating``.
+- **WeightsReady** (only when the operator fetches an ``hf://`` model into ``model.cache``) follows the
+  fetch Job (:mod:`omnimodel_operator.weights`); until it is True, Ready is False with
+  ``FetchingWeights`` (Progressing True, same reason) or, once the Job gave up, ``WeightsFailed``.
 - **Degraded** is True only for lost capacity: a component whose last rollout completed and that has
   lost pods since, without a spec change (a crashed or evicted pod that does not come back). It stays
   True until the component is whole again, and is never set while a rollout or a scale-up waits for
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 
 from omnimodel_operator import conditions as cond
 from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, ComponentStatus, OmniModelStatus, StageStatus
+from omnimodel_operator.weights import Weights
 from omnimodel_runtime.pipeline import AcceleratorRequest
 
 Manifest = dict[str, Any]
@@ -212,10 +216,17 @@ def compute_status(
     generation: int | None,
     now: str,
     problems: Problems | None = None,
+    autoscalers: Mapping[str, AutoscalerStatus] | None = None,
+    weights: Weights | None = None,
 ) -> OmniModelStatus:
     """Roll component state up into conditions and the per-stage table."""
     problems = problems or Problems()
-    conditions: list[dict[str, Any]] = [c.model_dump(by_alias=True) for c in old.conditions or ()]
+    conditions: list[dict[str, Any]] = [
+        c.model_dump(by_alias=True)
+        for c in old.conditions or ()
+        # WeightsReady belongs to models the operator fetches for; it goes when the fetch does.
+        if weights is not None or c.type != cond.WEIGHTS_READY
+    ]
 
     def put(type_: str, status: bool, reason: str, message: str) -> None:
         nonlocal conditions
@@ -225,12 +236,17 @@ def compute_status(
     not_ready = [c for c in components if not c.is_ready]
     at_zero = {s.name for s in stages if s.is_ready and s.desired == 0}
     servable = [m for m in plan.modalities if not any(name in at_zero for name in plan.stages_for(m))]
-    if gateway.is_ready and gateway.desired == 0:
+    if (gateway.is_ready and gateway.desired == 0) or (weights is not None and not weights.ready):
         servable = []
     if problems.conflicts:
         put(cond.READY, False, cond.NAME_CONFLICT, "; ".join(problems.conflicts))
     elif problems.apply_errors:
         put(cond.READY, False, cond.RECONCILE_ERROR, "; ".join(problems.apply_errors))
+    elif weights is not None and weights.failed:
+        put(cond.READY, False, cond.WEIGHTS_FAILED, weights.condition_message)
+    elif weights is not None and not weights.ready:
+        # The stage pods wait for the weights in their init container: that, not their pods, is the news.
+        put(cond.READY, False, cond.FETCHING_WEIGHTS, weights.condition_message)
     elif not_ready:
         worst = _worst(not_ready)
         put(cond.READY, False, worst.reason or cond.UPDATING, "; ".join(c.message for c in not_ready))
@@ -249,11 +265,16 @@ def compute_status(
     progressing = [c for c in components if not c.is_ready and not c.degraded]
     if problems.conflicts:
         put(cond.PROGRESSING, False, cond.NAME_CONFLICT, "nothing applied: a child name is taken")
+    elif weights is not None and not weights.ready and not weights.failed:
+        put(cond.PROGRESSING, True, cond.FETCHING_WEIGHTS, weights.condition_message)
     elif progressing:
         worst = _worst(progressing)
         put(cond.PROGRESSING, True, worst.reason or cond.UPDATING, "; ".join(c.message for c in progressing))
     else:
         put(cond.PROGRESSING, False, cond.ROLLOUT_COMPLETE, "every stage runs the current spec")
+
+    if weights is not None:
+        put(cond.WEIGHTS_READY, weights.ready, weights.condition_reason, weights.condition_message)
 
     degraded = [c for c in components if c.degraded]
     if degraded:
@@ -272,7 +293,7 @@ def compute_status(
             accelerator=_accelerator_text(plan, s.name),
             service=plan.service_of(s.name),
             message="" if s.is_ready else s.message,
-            autoscaler=autoscaler_status(hpas.get(s.name)),
+            autoscaler=(autoscalers or {}).get(s.name) or autoscaler_status(hpas.get(s.name)),
         )
         for s in stages
     ]
@@ -293,6 +314,7 @@ def compute_status(
             "readyStages": f"{ready_count}/{len(stages)}",
             "endpoint": plan.endpoint,
             "servedModalities": servable,
+            **({"weights": weights.status.model_dump(by_alias=True, exclude_none=True)} if weights else {}),
         }
     )
 

@@ -29,6 +29,9 @@ log = logging.getLogger("omnimodel_runtime.cli")
 # failure at run time (the engine failed to load, the port was taken).
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+# `omnimodel fetch`: retrying cannot help (a rejected token, a missing repository, a full volume). The
+# operator's fetch Job fails at once on this code (podFailurePolicy) instead of retrying.
+EXIT_PERMANENT = 3
 
 
 def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -124,6 +127,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="architecture size (default tiny; e.g. qwen2.5-1.5b for accelerator benchmarks)",
     )
     p.add_argument("--device", default=None, help="where to initialise the weights (cpu, cuda)")
+
+    p = sub.add_parser("fetch", help="download the files an hf:// pipeline's stages need into a shared cache")
+    p.add_argument("--pipeline", required=True, type=Path, help="pipeline JSON file (the operator's ConfigMap)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="hub cache to fill (default: huggingface_hub's, HF_HUB_CACHE or $HF_HOME/hub)",
+    )
+    p.add_argument("--stage", action="append", default=[], help="fetch only this stage's files; repeatable")
+    p.add_argument("--progress-port", type=int, default=None, help="serve GET /progress on this port while running")
+    p.add_argument("--progress-host", default=None, help="address for /progress (default 127.0.0.1, or OMNIMODEL_HOST)")
+    p.add_argument(
+        "--termination-log",
+        type=Path,
+        default=Path("/dev/termination-log"),
+        help="where the one-line outcome goes (Kubernetes' termination message; default /dev/termination-log)",
+    )
+    p.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines (default 5)")
+    p.add_argument("--workers", type=int, default=4, help="files downloaded at once (default 4)")
+
+    p = sub.add_parser("wait-weights", help="wait until a stage's files of an hf:// pipeline are in the cache")
+    p.add_argument("--pipeline", required=True, type=Path, help="pipeline JSON file (the operator's ConfigMap)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="hub cache the fetch fills (default as for fetch)")
+    p.add_argument("--stage", required=True, help="name of the stage whose files to wait for")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: never)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between status lines (default 10, max 30)")
 
     p = sub.add_parser("demo", help="serve a tiny preset, ask it one question with the openai client, stop")
     from omnimodel_runtime.demo import add_arguments as add_demo_arguments
@@ -379,6 +409,73 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_termination(path: Path, line: str) -> None:
+    """The container's termination message (Kubernetes reads it; 4 KiB at most)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(line[:4000] + "\n")
+    except OSError as err:
+        log.warning("cannot write the termination message to %s: %s", path, err)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.fetch import FetchProgress, ProgressServer, Ticker, WeightsError, fetch_pipeline
+    from omnimodel_runtime.fetch.cache import default_cache_dir
+
+    _setup_logging("info")
+    for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request; ours say more
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        pipeline = _load(args.pipeline)
+    except Exception as err:
+        _write_termination(args.termination_log, "Invalid: " + " ".join(str(err).split()))
+        raise
+    cache = args.cache_dir or default_cache_dir()
+    progress = FetchProgress(pipeline.model.source)
+    server = None
+    if args.progress_port is not None:
+        host = args.progress_host or _settings(args).host
+        try:
+            server = ProgressServer(progress, host, args.progress_port).start()
+        except OSError as err:
+            message = f"Invalid: cannot serve /progress on {host}:{args.progress_port}: {err}"
+            _write_termination(args.termination_log, message)
+            print(f"omnimodel fetch: {message}", file=sys.stderr)
+            return EXIT_CONFIG
+        log.info("progress on http://%s:%d/progress", host, server.port)
+    try:
+        with Ticker(progress, max(0.5, args.log_interval)):
+            result = fetch_pipeline(pipeline, cache, stages=args.stage, progress=progress, workers=args.workers)
+    except WeightsError as err:
+        from omnimodel_runtime.fetch.hub import PERMANENT
+
+        log.error("fetch failed: %s", err)
+        _write_termination(args.termination_log, str(err))
+        return EXIT_PERMANENT if err.reason in PERMANENT else EXIT_FAILED
+    finally:
+        if server is not None:
+            server.stop()
+    log.info("%s", progress.line())
+    log.info("%s", result.message())
+    _write_termination(args.termination_log, result.message())
+    return 0
+
+
+def cmd_wait_weights(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.fetch import wait_for_weights
+    from omnimodel_runtime.fetch.cache import default_cache_dir
+
+    pipeline = _load(args.pipeline)
+    cache = args.cache_dir or default_cache_dir()
+
+    def say(line: str) -> None:
+        print(f"omnimodel wait-weights: {line}", flush=True)
+
+    interval = min(30.0, max(0.5, args.interval))
+    ready = wait_for_weights(pipeline, cache, args.stage, timeout=args.timeout, interval=interval, say=say)
+    return 0 if ready else EXIT_FAILED
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from omnimodel_runtime.demo import run
 
@@ -398,6 +495,8 @@ COMMANDS = {
     "serve": cmd_serve,
     "pipeline": cmd_pipeline,
     "make-tiny": cmd_make_tiny,
+    "fetch": cmd_fetch,
+    "wait-weights": cmd_wait_weights,
     "demo": cmd_demo,
     "bench": cmd_bench,
 }

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omnimodel_runtime.errors import ExtraMissingError, ModelSourceError
-from omnimodel_runtime.pipeline import ModelSource
+from omnimodel_runtime.errors import ModelSourceError
+from omnimodel_runtime.pipeline import ModelSource, Stage
 from omnimodel_runtime.settings import RuntimeSettings
 
 
-def resolve_model_dir(source: ModelSource, settings: RuntimeSettings) -> Path:
-    """A local directory with the model's files.
+def resolve_model_dir(source: ModelSource, settings: RuntimeSettings, stage: Stage | None = None) -> Path:
+    """A local directory with the model's files (for ``stage``: the files it reads).
 
     - ``tiny://<preset>``: built on first use under the model cache, reused afterwards.
     - ``file:///abs/path``: used as is.
     - ``pvc://claim/path``: ``<pvc_root>/<claim>/<path>`` (where the claim is mounted).
-    - ``hf://org/name``: a snapshot through the Hugging Face cache (``HF_HOME``); honours
-      ``HF_HUB_OFFLINE``, so a pre-filled cache works without network.
+    - ``hf://org/name``: from the Hugging Face hub cache (``HF_HUB_CACHE``, default ``$HF_HOME/hub``).
+      When ``omnimodel fetch`` completed the revision there (its marker), a directory of the stage's own
+      files, without the network; otherwise only the stage's files are downloaded first (the whole
+      repository for ``stage=None``). With ``HF_HUB_OFFLINE`` and no marker, a pre-filled cache's snapshot.
+      See :mod:`omnimodel_runtime.fetch`.
     """
     scheme, _, rest = source.source.partition("://")
     if scheme == "tiny":
@@ -30,14 +33,9 @@ def resolve_model_dir(source: ModelSource, settings: RuntimeSettings) -> Path:
         claim, _, sub = rest.partition("/")
         return _existing(settings.pvc_root / claim / sub, source)
     if scheme == "hf":
-        try:
-            from huggingface_hub import snapshot_download  # noqa: PLC0415  (optional dependency)
-        except ImportError as err:
-            raise ExtraMissingError(what="hf:// model sources", extra="transformers", cause=err) from err
-        try:
-            return Path(snapshot_download(repo_id=rest.strip("/"), revision=source.revision))
-        except Exception as err:
-            raise ModelSourceError(f"cannot fetch {source.source}: {err}") from err
+        from omnimodel_runtime.fetch import stage_model_dir  # noqa: PLC0415  (huggingface_hub only when needed)
+
+        return stage_model_dir(source, stage)
     raise ModelSourceError(f"unsupported model source scheme {scheme!r} in {source.source}")
 
 

@@ -94,7 +94,7 @@ class FakeKube:
 
     @property
     def writes(self) -> list[tuple[str, str, str]]:
-        return [r for r in self.requests if r[0] in ("apply", "delete", "status", "create")]
+        return [r for r in self.requests if r[0] in ("apply", "delete", "status", "create", "scale")]
 
     # helpers for tests -----------------------------------------------------------------------
     def key(self, manifest: Manifest) -> tuple[str, str, str, str]:
@@ -272,6 +272,20 @@ class FakeKube:
         obj["status"] = {k: v for k, v in merged.items() if v is not None}
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         return copy.deepcopy(obj)
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
+    ) -> Manifest:
+        self.requests.append(("scale", kind, name))
+        self._check("scale", kind)
+
+        def set_replicas(obj: Manifest) -> None:
+            obj["spec"]["replicas"] = replicas
+
+        self.update_as(field_manager, kind, namespace, name, set_replicas)
+        found = self.find(kind, name, namespace)
+        assert found is not None
+        return copy.deepcopy(found)
 
     async def create(self, manifest: Manifest) -> Manifest:
         meta = manifest["metadata"]

@@ -54,3 +54,22 @@ def test_toolchain_env_override_must_be_complete(monkeypatch: pytest.MonkeyPatch
     for stage in binaries.STAGES:
         (tmp_path / "stages" / stage).write_text("kind: Stage\n")
     assert binaries.ensure_built().root == tmp_path
+
+
+def test_a_quiet_build_says_what_is_compiling_and_about_how_long_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(binaries, "COLD_BUILD_SECONDS", {"etcd": 30, "kwok": 60, "helm": 90, "kwok-extra": 500})
+    lines: list[str] = []
+    progress = binaries._BuildProgress(heartbeat=3600, out=lines.append, pending=["kwok", "helm"])
+    try:
+        progress.line("[cluster-build] etcd: cached")
+        assert progress.status() is None  # nothing compiling
+        progress.line("[cluster-build] kwok: building sigs.k8s.io/kwok/cmd/kwok")
+        status = progress.status()
+        assert status is not None
+        assert status.startswith("[cluster-build] kwok: still building (0s so far")
+        assert "about 2 min 30 s left" in status  # kwok's 60 s + helm's 90 s; etcd is done, kwok-extra cached
+        progress.line("[cluster-build] kwok: built in 58s")
+        assert progress.status() is None
+    finally:
+        progress.stop()
+    assert lines[0] == "[cluster-build] etcd: cached"  # every line of the build is passed on

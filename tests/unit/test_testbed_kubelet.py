@@ -97,6 +97,41 @@ def test_each_pod_gets_a_private_dev_shm_and_downward_env(tmp_path: Path) -> Non
     assert env_line == "127.0.0.9 head tcp://127.0.0.9:5000"
 
 
+def test_a_relative_pythonpath_still_names_this_checkout_from_the_pod_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PYTHONPATH=operator:runtime:e2e` selects a worktree's code; a pod runs in its own directory."""
+    out = tmp_path / "out.txt"
+    monkeypatch.setenv("PYTHONPATH", "runtime:e2e")
+    r = runner(tmp_path)
+    proc = r._launch(pod("p", ["sh", "-c", f'echo "$PYTHONPATH" > {out}; echo END >> {out}']))
+    try:
+        line = wait_for(out).splitlines()[0]
+    finally:
+        r._terminate(proc)
+    assert line == f"{Path.cwd() / 'runtime'}:{Path.cwd() / 'e2e'}"
+
+
+def test_sync_reports_each_started_process_once(tmp_path: Path) -> None:
+    """What `make demo` records to stop pods by PID even if the process that ran them died."""
+
+    class OnePod:
+        def get(self, path: str) -> dict[str, Any]:
+            assert path == "/api/v1/namespaces/ns/pods"
+            return {"items": [pod("p", ["sleep", "60"])]}
+
+    seen: list[tuple[str, int]] = []
+    r = PodRunner(
+        OnePod(), "ns", tmp_path / "pods", tmp_path / "bin", on_start=lambda p: seen.append((p.name, p.proc.pid))
+    )  # type: ignore[arg-type]
+    try:
+        r.sync()
+        r.sync()
+        assert seen == [("p", r.processes("p")[0].proc.pid)]
+    finally:
+        r.stop()
+
+
 def test_vllm_pods_run_from_the_vllm_omni_env_with_the_cpu_plugin(tmp_path: Path) -> None:
     env_dir = tmp_path / "vllm-omni-env"
     (env_dir / "bin").mkdir(parents=True)

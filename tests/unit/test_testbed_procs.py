@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +53,17 @@ def test_wait_until_times_out_with_last_error() -> None:
 def test_free_ports_are_distinct() -> None:
     ports = procs.free_ports(6)
     assert len(set(ports)) == 6
+
+
+def test_a_process_started_elsewhere_is_recorded_and_stopped_by_pid(tmp_path: Path) -> None:
+    proc = subprocess.Popen(SLEEPER, start_new_session=True)
+    try:
+        rec = procs.record("pod p", proc.pid, tmp_path / "p.log")
+        assert procs.is_alive(procs.ProcessRecord.from_json(rec.to_json()))
+        assert procs.stop([rec], grace=5) == [rec]
+        assert proc.wait(timeout=5) == -15
+        with pytest.raises(RuntimeError, match="not running"):
+            procs.record("pod p", proc.pid, tmp_path / "p.log")
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -28,7 +28,12 @@ watchNamespaces otherwise.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]
-# Per-stage HorizontalPodAutoscalers (stages with spec.autoscaling), as above.
+# The operator's autoscaler sets the replicas of autoscaled stages (provider operator) through the
+# scale subresource, as an HPA would.
+- apiGroups: ["apps"]
+  resources: ["deployments/scale"]
+  verbs: ["patch"]
+# Per-stage HorizontalPodAutoscalers (stages with autoscaling provider hpa), as above.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]
@@ -39,6 +44,14 @@ watchNamespaces otherwise.
 # Per-stage NetworkPolicies (operator.networkPolicy), as above; watched even when disabled, to prune.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# The fetch Job of an hf:// model with model.cache (one per revision), as above.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "patch", "get", "list", "watch", "delete"]
+# The weights claim the operator creates from model.cache.storageClassName, as above.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
   verbs: ["create", "patch", "get", "list", "watch", "delete"]
 # Pods, read-only through a watch: explain a stage that is not ready (Unschedulable, ImagePullBackOff).
 - apiGroups: [""]

@@ -26,7 +26,7 @@ MAX_STAGES = 16
 MAX_INPUTS = 8
 # Child names are <cr>-<stage>; these suffixes belong to the OmniModel's own children.
 RESERVED_STAGE_NAMES = ("gateway", "pipeline", "runtime")
-DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80, "queueDepth": 4, "inFlight": 4}
+DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80.0, "queueDepth": 4.0, "inFlight": 4.0, "pendingSeconds": 10.0}
 ALL_TASKS = tuple(sorted({t for tasks in ENGINE_TASKS.values() for t in tasks}))
 
 
@@ -64,14 +64,84 @@ class KubeModel(BaseModel):
 
 
 class ModelCache(KubeModel):
-    pvc: str = Field(
-        min_length=1,
-        description="PersistentVolumeClaim mounted at /models in every stage pod and shared as the "
-        "weight cache; each stage downloads only the files its part needs.",
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.pvc) != has(self.storageClassName)",
+                    "model.cache names an existing claim (pvc) or a storage class to create one from "
+                    "(storageClassName), one of the two",
+                ),
+                cel(
+                    "!has(self.pvc) || (!has(self.size) && !has(self.accessMode))",
+                    "model.cache.size and accessMode describe a claim the operator creates: they need "
+                    "storageClassName, not pvc",
+                ),
+            ]
+        }
     )
+
+    pvc: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="An existing PersistentVolumeClaim to keep the weights in. One fetch Job writes the "
+        "model's files into it (only the files the stages need); stage pods mount it read-only and wait "
+        "for the fetch instead of downloading. Stages on several nodes need it ReadWriteMany.",
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Create the claim <name>-models from this StorageClass (and delete it with the OmniModel).",
+    )
+    size: Quantity | None = Field(default=None, description="Size of a created claim. Default 100Gi.")
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"] | None = Field(
+        default=None,
+        description="Access mode of a created claim; default ReadWriteMany. ReadWriteOnce works only with "
+        "every stage pod (and the fetch) on one node.",
+    )
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> ModelCache:
+        # The CEL rule above, again, for objects that never went through the API server.
+        if (self.pvc is None) == (self.storage_class_name is None):
+            raise ValueError(
+                "model.cache names an existing claim (pvc) or a storage class to create one from "
+                "(storageClassName), one of the two"
+            )
+        if self.pvc is not None and (self.size is not None or self.access_mode is not None):
+            raise ValueError(
+                "model.cache.size and accessMode describe a claim the operator creates: "
+                "they need storageClassName, not pvc"
+            )
+        return self
+
+
+class SecretKey(KubeModel):
+    name: str = Field(min_length=1, max_length=253, description="Secret in the OmniModel's namespace.")
+    key: str = Field(default="token", min_length=1, description="Key holding the value. Default token.")
 
 
 class ModelSpec(KubeModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.tokenSecret) || has(self.cache)",
+                    "model.tokenSecret reaches only the fetch Job, which needs model.cache; without a cache "
+                    "every stage pod would download, and need the token",
+                    ".tokenSecret",
+                ),
+                cel(
+                    "(!has(self.tokenSecret) && !has(self.endpoint)) || self.source.startsWith('hf://')",
+                    "model.tokenSecret and model.endpoint are for fetching from a Hugging Face hub: they need an "
+                    "hf:// source",
+                ),
+            ]
+        }
+    )
+
     source: str = Field(
         min_length=1,
         max_length=512,
@@ -80,13 +150,48 @@ class ModelSpec(KubeModel):
         description="Where the weights come from: hf://org/name, pvc://claim/path, file:///path, or "
         "tiny://<preset> for random weights built locally from a small config (tests and demos).",
     )
-    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit).")
+    revision: str | None = Field(
+        default=None,
+        description="Hub revision (branch, tag or commit). The fetch resolves it to a commit sha "
+        "(status.weights.sha); a changed revision fetches again and rolls the stages.",
+    )
     served_name: str | None = Field(
         default=None,
         max_length=256,
         description="Model id clients send in the `model` field. Defaults to the source path.",
     )
-    cache: ModelCache | None = Field(default=None, description="Shared weight cache volume.")
+    cache: ModelCache | None = Field(
+        default=None,
+        description="Where hf:// weights are kept for every pod (fetched once). Unset: each stage pod "
+        "downloads its own files into its own emptyDir at start (again on every restart).",
+    )
+    token_secret: SecretKey | None = Field(
+        default=None,
+        description="A Hugging Face token (Secret key) for private or gated repositories; only the fetch "
+        "Job's container gets it (HF_TOKEN), never a stage pod or the gateway. With runtime.kind vllm-omni, "
+        "which downloads in its own pods, those pods get it.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="A Hugging Face mirror to fetch from (HF_ENDPOINT of the fetch Job; of every pod with "
+        "runtime.kind vllm-omni), e.g. an on-prem olah.",
+    )
+
+    @model_validator(mode="after")
+    def _token_needs_cache(self) -> ModelSpec:
+        if (self.token_secret is not None or self.endpoint is not None) and not self.source.startswith("hf://"):
+            raise ValueError(
+                "model.tokenSecret and model.endpoint are for fetching from a Hugging Face hub: they need an "
+                "hf:// source"
+            )
+        if self.token_secret is not None and self.cache is None:
+            raise ValueError(
+                "model.tokenSecret reaches only the fetch Job, which needs model.cache; without a cache "
+                "every stage pod would download, and need the token"
+            )
+        return self
 
 
 class EnvVar(KubeModel):
@@ -224,6 +329,12 @@ class Accelerator(KubeModel):
     )
 
 
+class ScalingRatio(KubeModel):
+    stage: DnsLabel = Field(description="Another stage of this OmniModel.")
+    min: float | None = Field(default=None, ge=0, le=1000, description="At least min x that stage's replicas.")
+    max: float | None = Field(default=None, ge=0, le=1000, description="At most max x that stage's replicas.")
+
+
 class Autoscaling(KubeModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -233,31 +344,99 @@ class Autoscaling(KubeModel):
                     "(has(self.minReplicas) ? self.minReplicas : 1) <= self.maxReplicas",
                     "autoscaling.minReplicas (default 1) must not exceed maxReplicas",
                     ".minReplicas",
-                )
+                ),
+                cel(
+                    "!has(self.metric) || self.metric != 'cpu' || (has(self.provider) && self.provider == 'hpa')",
+                    "metric cpu is scaled by a HorizontalPodAutoscaler: set provider: hpa",
+                    ".metric",
+                ),
+                cel(
+                    "!has(self.minReplicas) || self.minReplicas > 0 || !has(self.provider) "
+                    "|| self.provider == 'operator'",
+                    "scaling to zero needs provider operator (a HorizontalPodAutoscaler keeps at least one pod)",
+                    ".minReplicas",
+                ),
+                cel(
+                    "!has(self.provider) || self.provider != 'hpa' || !has(self.metric) "
+                    "|| self.metric != 'pendingSeconds'",
+                    "pendingSeconds is read by the operator's autoscaler: "
+                    "provider hpa takes inFlight, queueDepth or cpu",
+                    ".metric",
+                ),
+                cel(
+                    "!has(self.ratio) || has(self.ratio.min) || has(self.ratio.max)",
+                    "autoscaling.ratio needs min, max or both",
+                    ".ratio",
+                ),
             ]
         }
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Lower bound. Default 1.")
-    max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
-    metric: Literal["cpu", "queueDepth", "inFlight"] = Field(
-        default="queueDepth",
-        description="cpu (utilisation %, resource metric) or a per-pod runtime metric served through "
-        "the custom metrics API: queueDepth (omnimodel_queue_depth) or inFlight "
-        "(omnimodel_requests_in_flight). Default queueDepth.",
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Lower bound. Default 1. 0 lets an idle stage go to zero after idleSecondsToZero; "
+        "the gateway holds a request that needs it until a replica is ready (provider operator only).",
     )
-    target: int | None = Field(
+    max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
+    provider: Literal["operator", "hpa"] = Field(
+        default="operator",
+        description="operator: the operator's own autoscaler reads the runtime's signals (nothing to "
+        "install) and sets the Deployment's replicas through its scale subresource. hpa: an "
+        "autoscaling/v2 HorizontalPodAutoscaler (metric cpu from metrics-server, or a Pods metric "
+        "served by prometheus-adapter; see docs/autoscaling.md). Default operator.",
+    )
+    metric: Literal["inFlight", "queueDepth", "pendingSeconds", "cpu"] | None = Field(
         default=None,
-        ge=1,
+        description="What one replica should carry at most (target). inFlight: requests the gateway has "
+        "in flight on the stage; queueDepth: requests queued at the stage (vLLM-Omni: its "
+        "stage_waiting_requests); pendingSeconds: in-flight requests x the stage's mean request time "
+        "(seconds of work waiting); cpu: utilisation percent (provider hpa). Default: pendingSeconds for "
+        "diffusion stages, queueDepth for vLLM-Omni stages, inFlight otherwise.",
+    )
+    target: float | None = Field(
+        default=None,
+        gt=0,
         le=100000,
-        description="Target per pod: utilisation percent for cpu, average value otherwise. "
-        f"Default {DEFAULT_AUTOSCALING_TARGETS['cpu']} for cpu, {DEFAULT_AUTOSCALING_TARGETS['queueDepth']} "
-        f"for queueDepth and {DEFAULT_AUTOSCALING_TARGETS['inFlight']} for inFlight.",
+        description="Target per replica. Default: inFlight 4, queueDepth 4, pendingSeconds 10, cpu 80.",
+    )
+    scale_up_window_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Scale up to the lowest recommendation of this window. Default 0."
+    )
+    scale_down_window_seconds: int = Field(
+        default=120,
+        ge=0,
+        le=3600,
+        description="Scale down only to the highest recommendation of this window, so a brief lull "
+        "does not drop replicas that the next burst needs. Default 120.",
+    )
+    idle_seconds_to_zero: int = Field(
+        default=300, ge=0, le=86400, description="With minReplicas 0: seconds without load before 0. Default 300."
+    )
+    ratio: ScalingRatio | None = Field(
+        default=None,
+        description="Keep this stage's replicas within min..max times another stage's (e.g. two talkers "
+        "per thinker at most).",
     )
 
-    @property
-    def target_value(self) -> int:
-        return self.target if self.target is not None else DEFAULT_AUTOSCALING_TARGETS[self.metric]
+    @model_validator(mode="after")
+    def _checked(self) -> Autoscaling:
+        # The CEL rules above, again, for objects that never went through the API server.
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas (default 1) must not exceed maxReplicas")
+        if self.metric == "cpu" and self.provider != "hpa":
+            raise ValueError("metric cpu is scaled by a HorizontalPodAutoscaler: set provider: hpa")
+        if self.min_replicas == 0 and self.provider != "operator":
+            raise ValueError("scaling to zero needs provider operator (a HorizontalPodAutoscaler keeps one pod)")
+        if self.metric == "pendingSeconds" and self.provider == "hpa":
+            raise ValueError("pendingSeconds is read by the operator's autoscaler, not by an HPA")
+        if self.ratio is not None and self.ratio.min is None and self.ratio.max is None:
+            raise ValueError("autoscaling.ratio needs min, max or both")
+        return self
+
+    def target_for(self, metric: str) -> float:
+        return self.target if self.target is not None else DEFAULT_AUTOSCALING_TARGETS[metric]
 
 
 class Disruption(KubeModel):
@@ -477,6 +656,17 @@ class OmniModelSpec(KubeModel):
         return self
 
     @model_validator(mode="after")
+    def _ratio_stages(self) -> OmniModelSpec:
+        names = {s.name for s in self.stages or ()}
+        for stage in self.stages or ():
+            ratio = stage.autoscaling.ratio if stage.autoscaling else None
+            if ratio is not None and (ratio.stage == stage.name or ratio.stage not in names):
+                raise ValueError(
+                    f"stage {stage.name}: autoscaling.ratio.stage must name another stage listed in spec.stages"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> OmniModelSpec:
         # The CRD's list-map already guarantees this on the server; the operator also parses
         # files given to `render`, which never went through the API server.
@@ -507,10 +697,17 @@ class StatusModel(KubeModel):
 
 
 class AutoscalerStatus(StatusModel):
-    kind: str = Field(description="What scales the stage: HorizontalPodAutoscaler.")
-    name: str = Field(description="Its name.")
+    kind: str = Field(
+        description="What scales the stage: OmniModelAutoscaler (the operator) or HorizontalPodAutoscaler."
+    )
+    name: str = Field(description="The Deployment it scales (operator) or the HPA's name.")
     current_replicas: int = Field(default=0, description="Replicas it last saw.")
     desired_replicas: int = Field(default=0, description="Replicas it last asked for.")
+    metric: str | None = Field(default=None, description="The signal it follows (operator).")
+    signal: float | None = Field(default=None, description="The signal's last value, summed over replicas.")
+    target: float | None = Field(default=None, description="Target per replica.")
+    reason: str | None = Field(default=None, description="Why the last decision is what it is.")
+    last_scale_time: str | None = Field(default=None, description="When it last changed replicas (RFC 3339).")
 
 
 class ComponentStatus(StatusModel):
@@ -533,6 +730,25 @@ class StageStatus(ComponentStatus):
     autoscaler: AutoscalerStatus | None = Field(default=None, description="The stage's autoscaler, if any.")
 
 
+class WeightsStatus(StatusModel):
+    state: Literal["Pending", "Fetching", "Complete", "Failed"] = Field(
+        description="Pending (the fetch Job has not started), Fetching, Complete or Failed."
+    )
+    job: str = Field(description="The fetch Job.")
+    revision: str | None = Field(default=None, description="The revision asked for (model.revision, or main).")
+    sha: str | None = Field(default=None, description="The commit the revision resolved to.")
+    files_done: int | None = Field(default=None, description="Files in the cache, of filesTotal.")
+    files_total: int | None = Field(default=None, description="Files the stages need together.")
+    bytes_done: int | None = Field(default=None, description="Bytes in the cache, of bytesTotal.")
+    bytes_total: int | None = Field(default=None, description="Bytes the stages need together.")
+    reason: str | None = Field(
+        default=None,
+        description="Why it failed: Unauthorized, NotFound, NoSpace, Network, RateLimited, HubError, Invalid "
+        "or Failed (the fetch's own words, also WeightsReady's reason).",
+    )
+    message: str | None = Field(default=None, description="The fetch's last one-line outcome.")
+
+
 class OmniModelStatus(StatusModel):
     observed_generation: int | None = Field(default=None, description="Last spec generation reconciled.")
     conditions: list[Condition] | None = Field(
@@ -551,6 +767,10 @@ class OmniModelStatus(StatusModel):
     served_modalities: list[Modality] | None = Field(
         default=None,
         description="Output modalities the model can serve now (a modality whose stages are scaled to 0 is left out).",
+    )
+    weights: WeightsStatus | None = Field(
+        default=None,
+        description="The fetch of an hf:// model into model.cache (absent when nothing is fetched).",
     )
 
 

@@ -20,6 +20,7 @@ from omnimodel_operator.builders.stage import (
     stage_service,
 )
 from omnimodel_operator.builders.vllm_omni import render_vllm_omni, restart_marks_of
+from omnimodel_operator.builders.weights import fetch_job, weights_claim
 from omnimodel_operator.resolve import Plan
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.vllm_omni.plan import VllmPlan
@@ -36,6 +37,8 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("batch/v1", "Job"),
+    ("v1", "PersistentVolumeClaim"),
 )
 
 
@@ -48,6 +51,8 @@ def render(plan: Plan | VllmPlan, settings: OperatorSettings, observed: Observed
     if isinstance(plan, VllmPlan):
         return [with_applied_hash(m) for m in render_vllm_omni(plan, settings, restart_marks_of(plan, observed))]
     out: list[Manifest] = [pipeline_configmap(plan), service_account(plan)]
+    # The weights: a claim to keep them in (when the operator creates it) and the one fetch into it.
+    out.extend(m for m in (weights_claim(plan), fetch_job(plan, settings)) if m is not None)
     for sp in plan.stages:
         out.append(stage_service(plan, sp))
         out.append(stage_deployment(plan, sp, settings))

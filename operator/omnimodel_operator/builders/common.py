@@ -191,10 +191,21 @@ def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return volumes, mounts
 
 
-def model_cache_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+def cache_claim_name(plan: Plan) -> str | None:
+    """The claim behind ``model.cache``: the one named, or ``<name>-models`` created from a StorageClass."""
     cache = plan.spec.model.cache
-    source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.pvc}} if cache else {"emptyDir": {}}
-    return {"name": "model-cache", **source}, {"name": "model-cache", "mountPath": C.MODEL_CACHE_DIR}
+    if cache is None:
+        return None
+    return cache.pvc or naming.dns_label(plan.name, "models")
+
+
+def model_cache_volume(plan: Plan, *, read_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """/models: the cache claim, or without one an emptyDir of the pod's own (downloads start over on
+    every new pod)."""
+    claim = cache_claim_name(plan)
+    ro: dict[str, Any] = {"readOnly": True} if read_only else {}
+    source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": claim, **ro}} if claim else {"emptyDir": {}}
+    return {"name": "model-cache", **source}, {"name": "model-cache", "mountPath": C.MODEL_CACHE_DIR, **ro}
 
 
 def model_source_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]] | None:

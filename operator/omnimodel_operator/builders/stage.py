@@ -26,6 +26,7 @@ from omnimodel_operator.builders.common import (
     scratch_volumes,
     tolerations_list,
 )
+from omnimodel_operator.builders.weights import OFFLINE_ENV, fetches, stage_weights
 from omnimodel_operator.resolve import Plan, StagePlan
 from omnimodel_operator.settings import OperatorSettings
 
@@ -51,7 +52,14 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
     node_selector = {**acc.node_selector(stage.accelerator), **((user.node_selector if user else None) or {})}
     tolerations = dedupe([*acc.tolerations(), *tolerations_list(user.tolerations if user else None)])
     pipeline_vol, pipeline_mount = pipeline_volume(plan)
-    cache_vol, cache_mount = model_cache_volume(plan)
+    init_containers: list[dict[str, Any]] = []
+    offline: list[dict[str, Any]] = []
+    if fetches(plan):
+        # The fetch Job downloads; this pod reads the claim and waits for its files.
+        cache_vol, cache_mount, init = stage_weights(plan, sp)
+        init_containers, offline = [init], list(OFFLINE_ENV)
+    else:
+        cache_vol, cache_mount = model_cache_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
     source = model_source_volume(plan)
     source_vols, source_mounts = ([source[0]], [source[1]]) if source else ([], [])
@@ -74,6 +82,7 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
         "ports": [{"name": "http", "containerPort": C.STAGE_PORT, "protocol": "TCP"}],
         "env": merge_env(
             runtime_env(plan),
+            offline,
             [{"name": k, "value": v} for k, v in acc.env().items()],
             env_list(user.env if user else None),
         ),
@@ -87,6 +96,7 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
     pod_spec: dict[str, Any] = {
         **pod_identity(plan),
         "securityContext": pod_security_context(),
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": [pipeline_vol, cache_vol, *source_vols, *scratch_vols],
         "enableServiceLinks": False,
@@ -146,20 +156,23 @@ _METRIC_NAMES = {"queueDepth": "omnimodel_queue_depth", "inFlight": "omnimodel_r
 
 def stage_hpa(plan: Plan, sp: StagePlan) -> Manifest | None:
     auto = sp.spec.autoscaling if sp.spec else None
-    if auto is None:
+    if auto is None or auto.provider != "hpa":
+        # provider operator: the operator's autoscaler sets replicas itself (autoscaler/loop.py).
         return None
     name = naming.stage_name(plan.name, sp.stage.name)
-    if auto.metric == "cpu":
+    metric_name = auto.metric or "inFlight"
+    target = auto.target_for(metric_name)
+    if metric_name == "cpu":
         metric: dict[str, Any] = {
             "type": "Resource",
-            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": auto.target_value}},
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": round(target)}},
         }
     else:
         metric = {
             "type": "Pods",
             "pods": {
-                "metric": {"name": _METRIC_NAMES[auto.metric]},
-                "target": {"type": "AverageValue", "averageValue": str(auto.target_value)},
+                "metric": {"name": _METRIC_NAMES[metric_name]},
+                "target": {"type": "AverageValue", "averageValue": f"{target:g}"},
             },
         }
     return {

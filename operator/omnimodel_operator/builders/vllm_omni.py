@@ -115,22 +115,13 @@ def deploy_configmap(plan: VllmPlan) -> Manifest:
 
 
 def _deploy_volume(plan: VllmPlan) -> tuple[dict[str, Any], dict[str, Any]]:
-    sources: list[dict[str, Any]] = [
-        {
-            "configMap": {
-                "name": naming.pipeline_configmap_name(plan.name),
-                "items": [{"key": DEPLOY_FILE, "path": DEPLOY_FILE}],
-            }
-        }
-    ]
+    mount = {"name": "deploy", "mountPath": DEPLOY_DIR, "readOnly": True}
+    ours = {"name": naming.pipeline_configmap_name(plan.name), "items": [{"key": DEPLOY_FILE, "path": DEPLOY_FILE}]}
     ref = plan.spec.runtime.deploy_config_ref
-    if ref is not None:
-        sources.append({"configMap": {"name": ref.name, "items": [{"key": ref.key, "path": OVERLAY_FILE}]}})
-    return {"name": "deploy", "projected": {"sources": sources}}, {
-        "name": "deploy",
-        "mountPath": DEPLOY_DIR,
-        "readOnly": True,
-    }
+    if ref is None:
+        return {"name": "deploy", "configMap": ours}, mount
+    theirs = {"name": ref.name, "items": [{"key": ref.key, "path": OVERLAY_FILE}]}
+    return {"name": "deploy", "projected": {"sources": [{"configMap": ours}, {"configMap": theirs}]}}, mount
 
 
 def _deploy_path(plan: VllmPlan) -> str:
@@ -155,8 +146,15 @@ def _common_args(plan: VllmPlan, sp: VllmStagePlan) -> list[str]:
 
 def _env(plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings) -> list[dict[str, Any]]:
     acc = accelerator_for(sp.accelerator.vendor)
+    model = plan.spec.model
+    # vLLM-Omni downloads hf:// weights itself (no fetch Job yet), so its pods get the mirror and token.
+    hub: list[dict[str, Any]] = [{"name": "HF_ENDPOINT", "value": model.endpoint}] if model.endpoint else []
+    if model.token_secret is not None:
+        ref = {"name": model.token_secret.name, "key": model.token_secret.key}
+        hub.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     return merge_env(
         runtime_env(plan),
+        hub,
         [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         [{"name": k, "value": v} for k, v in acc.env().items()],
         [{"name": k, "value": v} for k, v in settings.vllm_omni_env.items()],

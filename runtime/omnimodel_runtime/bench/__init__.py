@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="sequential interleaved rounds over the prompts")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
     p.add_argument("--api-key", default=None, help="API key of the gateway at --url")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument for every deployed stage (VALUE parsed as JSON when it is JSON); repeatable",
+    )
     p.add_argument("--no-direct", action="store_true", help="skip the in-process engine baseline")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout only)")
     p.add_argument(
@@ -64,6 +71,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "serving /v1/audio/speech only, omni for chat presets with audio output, else chat)"
         ),
     )
+    omni = p.add_argument_group("omni mode")
+    omni.add_argument(
+        "--omni-concurrency",
+        type=lambda v: sorted({int(c) for c in v.split(",")}),
+        default=[1, 4],
+        help="comma-separated concurrency levels of streamed requests (default 1,4)",
+    )
+    omni.add_argument("--omni-requests", type=int, default=8, help="streamed requests per concurrency level")
+    omni.add_argument("--omni-prompts", type=int, default=8, help="prompts per sequential round (at most 8)")
+    omni.add_argument(
+        "--omni-deployments",
+        default="in_process,three_processes",
+        help="which deployments to measure: in_process (omnimodel serve), three_processes (gateway + stages)",
+    )
+    omni.add_argument("--hf-baseline", type=int, default=2, help="Hugging Face whole-model requests to time (0: skip)")
     images = p.add_argument_group("images mode")
     images.add_argument("--size", default="512x512", help="image size WIDTHxHEIGHT")
     images.add_argument("--steps", type=int, default=20, help="denoising steps")
@@ -81,6 +103,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     images.add_argument("--overhead-prompts", type=int, default=4, help="prompts per overhead round")
 
 
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--engine-arg KEY=VALUE`` items as ``omnimodel serve`` reads them."""
+    out: dict[str, Any] = {}
+    for item in getattr(args, "engine_arg", None) or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg must look like KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def _accelerator_name() -> str:
     import torch
 
@@ -96,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "preset": args.preset,
         "model": args.model,
         "engine": args.engine,
+        "engine_args": engine_args(args),
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "requests": args.requests,
@@ -140,10 +177,20 @@ def run(args: argparse.Namespace) -> int:
             results = asyncio.run(images_mode.measure(args, url))
         elif omni:
             # Both deployments side by side in one run, measured interleaved on the same prompts.
-            urls = {
-                "in_process": stack.enter_context(serve_process(args, Path(tmp))),
-                "three_processes": stack.enter_context(deployment(args, Path(tmp))),
-            }
+            wanted = {name.strip() for name in args.omni_deployments.split(",") if name.strip()}
+            urls = {}
+            if "in_process" in wanted:
+                urls["in_process"] = stack.enter_context(serve_process(args, Path(tmp)))
+            if "three_processes" in wanted:
+                urls["three_processes"] = stack.enter_context(deployment(args, Path(tmp)))
+            if not urls:
+                raise SystemExit("--omni-deployments names none of in_process, three_processes")
+            meta.update(
+                omni_deployments=sorted(urls),
+                omni_concurrency=args.omni_concurrency,
+                omni_requests=args.omni_requests,
+                hf_baseline=args.hf_baseline,
+            )
             results = asyncio.run(omni_mode.measure(args, urls))
         elif speech:
             url = args.url or stack.enter_context(deployment(args, Path(tmp)))
@@ -151,6 +198,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             url = args.url or stack.enter_context(deployment(args, Path(tmp), single_stage=True))
             results = asyncio.run(chat_mode.measure(args, url))
+    if omni and args.hf_baseline > 0:
+        # After the deployments have stopped: the whole model has the device to itself.
+        try:
+            results["hf_whole_model"] = omni_mode.hf_whole_model(args)
+            results["vs_hf_whole_model"] = omni_mode.versus_hf(results)
+        except Exception as err:
+            results.setdefault("errors", {})["hf_whole_model"] = f"{type(err).__name__}: {err}"
     report = {"meta": meta, "results": results}
     text = json.dumps(report, indent=2) + "\n"
     print(text, end="")

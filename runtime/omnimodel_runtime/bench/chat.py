@@ -151,11 +151,14 @@ async def _overhead(direct: Direct, through_gateway: Any, stream: bool, rounds: 
 
 @contextlib.asynccontextmanager
 async def _direct_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
+    from omnimodel_runtime.bench import engine_args
     from omnimodel_runtime.engines.registry import load_engine
     from omnimodel_runtime.serve import serve_pipeline
     from omnimodel_runtime.settings import RuntimeSettings
 
-    pipeline = serve_pipeline(args.preset, args.model, engines=[args.engine], device=device())
+    pipeline = serve_pipeline(
+        args.preset, args.model, engines=[args.engine], engine_args=engine_args(args) or None, device=device()
+    )
     settings = RuntimeSettings()
     engine = await load_engine(pipeline.entry, pipeline.model, settings)
     await engine.start()

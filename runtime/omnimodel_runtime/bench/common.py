@@ -119,9 +119,12 @@ def latency_ratios(direct: list[float], gateway: list[float], ratios: list[float
 def deployment(args: argparse.Namespace, workdir: Path, *, single_stage: bool = False) -> Iterator[str]:
     """One ``omnimodel stage`` process per stage and an ``omnimodel gateway`` from one pipeline file, on
     loopback ports, so every request crosses both HTTP hops as in a cluster; yield the gateway URL."""
+    from omnimodel_runtime.bench import engine_args
     from omnimodel_runtime.serve import serve_pipeline
 
-    base = serve_pipeline(args.preset, args.model, engines=[args.engine], device=device())
+    base = serve_pipeline(
+        args.preset, args.model, engines=[args.engine], engine_args=engine_args(args) or None, device=device()
+    )
     if single_stage and len(base.stages) != 1:
         raise SystemExit("bench deploys single-stage presets only (pass --url for others)")
     ports = {s.name: free_port() for s in base.stages}
@@ -144,6 +147,8 @@ def serve_process(args: argparse.Namespace, workdir: Path) -> Iterator[str]:
     """``omnimodel serve``: the gateway and every stage in one process (in-memory hand-off)."""
     port = free_port()
     command = ["serve", "--preset", args.preset, "--model", args.model, "--engine", args.engine, "--port", str(port)]
+    for item in getattr(args, "engine_arg", None) or ():
+        command += ["--engine-arg", item]
     with _processes([("serve", command)], workdir) as procs:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs, workdir, args.start_timeout)
@@ -175,6 +180,13 @@ def _processes(commands: list[tuple[str, list[str]]], workdir: Path) -> Iterator
                 proc.wait()
         for log in logs:
             log.close()
+        keep = os.environ.get("OMNIMODEL_BENCH_LOGS")
+        if keep:  # the processes' logs outlive the benchmark's temporary directory
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for name, _ in commands:
+                src = workdir / f"{name}.log"
+                if src.is_file():
+                    (Path(keep) / f"{workdir.name}-{name}.log").write_bytes(src.read_bytes())
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], workdir: Path, timeout: float) -> None:

@@ -1,6 +1,8 @@
 """Omni mode (chat with text and audio out): ``omnimodel serve`` (one process, in-memory hand-off) against
 a gateway with one process per stage, interleaved on the same prompts: latency, time to first text and
-first audio, real-time factor."""
+first audio, real-time factor; then a concurrency ladder (streamed requests at each ``--omni-concurrency``
+level, every request's first audio) and Hugging Face's whole model (``generate()`` in this process, on the
+same prompts and device) as the baseline."""
 
 # Imports sit inside functions on purpose: each mode pulls in only what it needs.
 # ruff: noqa: PLC0415
@@ -8,6 +10,7 @@ first audio, real-time factor."""
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ class OmniSample:
     ttfa: float | None  # first audio chunk (streamed) — the number a listener notices
     text_done: float | None  # last text delta
     audio_s: float
+    text_tokens: int = 0
 
     @property
     def rtf(self) -> float | None:
@@ -56,6 +60,7 @@ class OmniClient(GatewayClient):
             "ignore_eos": True,
             "seed": 0,
             "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
         }
 
     async def streamed(self, prompt: str) -> OmniSample:
@@ -64,8 +69,11 @@ class OmniClient(GatewayClient):
         started = time.perf_counter()
         ttft = ttfa = text_done = None
         pcm_bytes = 0
+        tokens = 0
         async for chunk in self.sse_chunks("/v1/chat/completions", self._body(prompt, True)):
             now = time.perf_counter() - started
+            usage = chunk.get("usage") or {}
+            tokens = int(usage.get("completion_tokens") or tokens)
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 if delta.get("content"):
@@ -75,7 +83,7 @@ class OmniClient(GatewayClient):
                 if data:
                     ttfa = now if ttfa is None else ttfa
                     pcm_bytes += len(base64.b64decode(data))
-        return OmniSample(time.perf_counter() - started, ttft, ttfa, text_done, pcm_bytes / 2 / 24000)
+        return OmniSample(time.perf_counter() - started, ttft, ttfa, text_done, pcm_bytes / 2 / 24000, tokens)
 
     async def whole(self, prompt: str) -> OmniSample:
         import base64
@@ -85,10 +93,12 @@ class OmniClient(GatewayClient):
         started = time.perf_counter()
         resp = await self._client.post("/v1/chat/completions", json=self._body(prompt, False))
         resp.raise_for_status()
-        audio = resp.json()["choices"][0]["message"]["audio"]
+        answer = resp.json()
+        audio = answer["choices"][0]["message"]["audio"]
         with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as w:
             seconds = w.getnframes() / w.getframerate()
-        return OmniSample(time.perf_counter() - started, None, None, None, seconds)
+        tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
+        return OmniSample(time.perf_counter() - started, None, None, None, seconds, tokens)
 
 
 def summary(samples: list[OmniSample]) -> dict[str, Any]:
@@ -104,12 +114,15 @@ def summary(samples: list[OmniSample]) -> dict[str, Any]:
         # Synthesis time / duration of the audio (< 1: faster than real time).
         "rtf_p50": rounded([s.rtf for s in samples], 50),
         "rtf_p99": rounded([s.rtf for s in samples], 99),
+        # End to end: the answer's text tokens over the whole request's time (text and audio).
+        "text_tok_s_p50": rounded([s.text_tokens / s.latency if s.latency > 0 else None for s in samples], 50),
     }
     if any(s.ttfa is not None for s in samples):
         out.update(
             ttft_p50_s=rounded([s.ttft for s in samples], 50),
             ttfa_p50_s=rounded([s.ttfa for s in samples], 50),
             ttfa_p99_s=rounded([s.ttfa for s in samples], 99),
+            ttfa_max_s=rounded([s.ttfa for s in samples], 100),
             text_done_p50_s=rounded([s.text_done for s in samples], 50),
             # How often the first audio reached the client before the last text delta.
             audio_before_text_end=sum(
@@ -121,6 +134,7 @@ def summary(samples: list[OmniSample]) -> dict[str, Any]:
 
 async def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
     clients = {name: OmniClient(url, args.api_key, args.max_tokens) for name, url in urls.items()}
+    prompts = PROMPTS[: max(1, args.omni_prompts)]
     result: dict[str, Any] = {}
     try:
         for client in clients.values():
@@ -131,19 +145,131 @@ async def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, A
             try:
                 # Interleaved (in-process, three processes, in-process, ...) so both see the same machine.
                 for _ in range(args.rounds):
-                    for prompt in PROMPTS:
+                    for prompt in prompts:
                         for name, client in clients.items():
                             samples[name].append(await getattr(client, kind)(prompt))
             except Exception as err:
                 result.setdefault("errors", {})[kind] = f"{type(err).__name__}: {err}"
                 continue
             section = {name: summary(found) for name, found in samples.items()}
-            base, split = section["in_process"], section["three_processes"]
-            section["latency_ratio_of_medians"] = round(split["latency_p50_s"] / base["latency_p50_s"], 4)
-            if kind == "streamed":
-                section["ttfa_ratio_of_medians"] = round(split["ttfa_p50_s"] / base["ttfa_p50_s"], 4)
+            if "in_process" in section and "three_processes" in section:
+                base, split = section["in_process"], section["three_processes"]
+                section["latency_ratio_of_medians"] = round(split["latency_p50_s"] / base["latency_p50_s"], 4)
+                if kind == "streamed":
+                    section["ttfa_ratio_of_medians"] = round(split["ttfa_p50_s"] / base["ttfa_p50_s"], 4)
             result[kind] = section
+        try:
+            result["concurrency"] = await ladder(args, clients)
+        except Exception as err:
+            result.setdefault("errors", {})["concurrency"] = f"{type(err).__name__}: {err}"
     finally:
         for client in clients.values():
             await client.aclose()
     return result
+
+
+async def ladder(args: argparse.Namespace, clients: dict[str, OmniClient]) -> dict[str, Any]:
+    """Streamed requests at each concurrency level (``--omni-concurrency``), every deployment in turn:
+    ``--omni-requests`` per level (at least one per client), each client sending its next when its last
+    has returned. ``ttfa_max_s`` is the slowest first audio of the level; ``text_tok_s_aggregate`` all text
+    tokens over the level's wall time."""
+    from omnimodel_runtime.bench.common import concurrently
+
+    out: dict[str, Any] = {}
+    for name, client in clients.items():
+        levels: dict[str, Any] = {}
+        for level in args.omni_concurrency:
+            count = max(level, args.omni_requests)
+            items = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+            samples, wall = await concurrently(client.streamed, items, level)
+            section = summary(samples)
+            section["wall_s"] = round(wall, 3)
+            section["text_tok_s_aggregate"] = round(sum(s.text_tokens for s in samples) / wall, 2)
+            section["audio_s_per_s"] = round(sum(s.audio_s for s in samples) / wall, 3)
+            levels[str(level)] = section
+        base = levels.get(str(min(args.omni_concurrency)))
+        for section in levels.values():
+            if base and base.get("ttfa_p50_s") and section.get("ttfa_max_s") is not None:
+                # The acceptance rule: every request's first audio within 2x the lowest level's median.
+                section["ttfa_max_over_lowest_p50"] = round(section["ttfa_max_s"] / base["ttfa_p50_s"], 3)
+        out[name] = levels
+    return out
+
+
+def hf_whole_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Hugging Face's ``Qwen2_5OmniForConditionalGeneration.generate()`` in this process on the same
+    device, dtype and prompts (greedy thinker held to ``--max-tokens`` like the served requests, the
+    talker's own sampling and the model's token2wav): latency, audio seconds, text tokens/s end to end.
+    The whole model returns its audio only at the end, so its time to first audio is its latency."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    from omnimodel_runtime.bench.common import device
+    from omnimodel_runtime.layout import OMNI_GENERATION_FILE
+    from omnimodel_runtime.models import resolve_model_dir
+    from omnimodel_runtime.pipeline import ModelSource
+    from omnimodel_runtime.settings import RuntimeSettings
+
+    where = device()
+    model_dir = resolve_model_dir(ModelSource(source=args.model), RuntimeSettings())
+    dtype = torch.float32 if where == "cpu" else torch.bfloat16
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(where).eval()
+    model.token2wav.float()  # as the released model runs it (and the code2wav stage does)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generation_file = model_dir / OMNI_GENERATION_FILE
+    talker = (json.loads(generation_file.read_text()) if generation_file.is_file() else {}).get("talker", {})
+    samples: list[OmniSample] = []
+    try:
+        for i in range(args.hf_baseline + 1):  # the first is a warm-up
+            prompt = PROMPTS[i % len(PROMPTS)]
+            messages = [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(where)
+            if where != "cpu":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            torch.manual_seed(0)
+            with torch.inference_mode():
+                sequences, waveform = model.generate(
+                    **inputs,
+                    thinker_max_new_tokens=args.max_tokens,
+                    thinker_min_new_tokens=args.max_tokens,
+                    thinker_do_sample=False,
+                    talker_max_new_tokens=int(talker.get("max_new_tokens", 4096)),
+                    talker_eos_token_id=[model.talker.codec_pad_token, model.talker.codec_eos_token],
+                )
+            if where != "cpu":
+                torch.cuda.synchronize()
+            latency = time.perf_counter() - started
+            tokens = int(sequences.shape[1] - inputs["input_ids"].shape[1])
+            sample = OmniSample(latency, None, latency, None, waveform.numel() / 24000, tokens)
+            if i > 0:
+                samples.append(sample)
+    finally:
+        del model
+        if where != "cpu":
+            torch.cuda.empty_cache()
+    out = summary(samples)
+    out["ttfa_p50_s"] = out["latency_p50_s"]
+    return out
+
+
+def versus_hf(results: dict[str, Any]) -> dict[str, Any]:
+    """Ours against the whole model: end-to-end text tokens/s (per request, at each concurrency level and in
+    aggregate), time to first audio and real-time factor, per deployment."""
+    hf = results["hf_whole_model"]
+    out: dict[str, Any] = {}
+    for name, levels in (results.get("concurrency") or {}).items():
+        rows: dict[str, Any] = {}
+        for level, section in levels.items():
+            row: dict[str, Any] = {}
+            if hf.get("text_tok_s_p50") and section.get("text_tok_s_p50"):
+                row["text_tok_s_ratio"] = round(section["text_tok_s_p50"] / hf["text_tok_s_p50"], 2)
+                row["text_tok_s_aggregate_ratio"] = round(section["text_tok_s_aggregate"] / hf["text_tok_s_p50"], 2)
+            if hf.get("ttfa_p50_s") and section.get("ttfa_p50_s"):
+                row["ttfa_ratio"] = round(section["ttfa_p50_s"] / hf["ttfa_p50_s"], 4)
+            if hf.get("rtf_p50") and section.get("rtf_p50"):
+                row["rtf_ratio"] = round(section["rtf_p50"] / hf["rtf_p50"], 4)
+            rows[level] = row
+        out[name] = rows
+    return out

@@ -85,6 +85,6 @@ async def load_engine(
 ) -> Engine:
     """Resolve the model directory (possibly building a tiny model or downloading; off the event loop)
     and instantiate the stage's adapter. The engine still needs ``start()``."""
-    model_dir = await asyncio.to_thread(resolve_model_dir, model, settings)
+    model_dir = await asyncio.to_thread(resolve_model_dir, model, settings, stage)
     context = EngineContext(stage=stage, model_dir=model_dir, settings=settings, metrics=metrics or NullMetrics())
     return create_engine(context)

@@ -4,6 +4,13 @@ Torch-free and FastAPI-free by design (import-linter enforces it): the operator 
 neither.
 """
 
+from omnimodel_runtime.pipeline.files import (
+    StageFiles,
+    StageFilesError,
+    checkpoint_index,
+    needs_weight_map,
+    select_files,
+)
 from omnimodel_runtime.pipeline.graph import (
     ENGINE_TASKS,
     PIPELINE_FILE_VERSION,
@@ -36,11 +43,16 @@ __all__ = [
     "PipelineError",
     "Route",
     "Stage",
+    "StageFiles",
+    "StageFilesError",
     "StageKind",
     "Vendor",
+    "checkpoint_index",
     "default_routes",
     "get_preset",
     "load_pipeline",
+    "needs_weight_map",
     "parse_pipeline",
+    "select_files",
     "validation_problems",
 ]

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from omnimodel_runtime.pipeline.files import StageFiles
+
 PIPELINE_FILE_VERSION: Final = "omnimodel.io/pipeline-v1"
 
 # A stage name becomes part of Kubernetes object names (``<cr>-<stage>``) and DNS labels.
@@ -165,6 +167,8 @@ class Stage(_Model):
     accelerator: AcceleratorRequest = AcceleratorRequest()
     engine_args: Mapping[str, Any] = Field(default_factory=dict)
     endpoints: tuple[str, ...] = ()
+    # The files of the model repository this stage reads (presets fill it in); None: all of them.
+    files: StageFiles | None = None
 
 
 class Pipeline(_Model):

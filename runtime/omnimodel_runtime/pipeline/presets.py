@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
+from omnimodel_runtime.pipeline.files import StageFiles
 from omnimodel_runtime.pipeline.graph import (
     AcceleratorRequest,
     EngineName,
@@ -26,7 +27,7 @@ from omnimodel_runtime.pipeline.graph import (
 
 # Fields of a preset stage that an override may replace. ``inputs``/``kind``/``task``/``outputs``
 # define the graph itself, which the runtime's orchestration depends on, so presets keep them.
-OVERRIDABLE_FIELDS: Final = frozenset({"engine", "accelerator", "engine_args", "endpoints"})
+OVERRIDABLE_FIELDS: Final = frozenset({"engine", "accelerator", "engine_args", "endpoints", "files"})
 
 
 class Preset(BaseModel):
@@ -94,6 +95,39 @@ def _gpu(count: int = 1) -> AcceleratorRequest:
 
 _CPU: Final = AcceleratorRequest()
 
+# ---------------------------------------------------------------- the files each preset's stages read
+# (patterns as in omnimodel_runtime.pipeline.files: ``*`` stays within one folder, ``**`` crosses them).
+
+# A plain LLM reads its whole repository.
+TEXT_FILES: Final = StageFiles(patterns=("**",))
+
+# Diffusers layout: every stage reads the pipeline index and the VAE and transformer configs (the split
+# pipeline's defaults and VAE factors come from them); each loads only its own components' folders
+# (``text_encoder_2``/``tokenizer_2`` of two-encoder families included).
+_T2I_SHARED: Final = ("model_index.json", "transformer/config.json", "vae/config.json")
+T2I_FILES: Final[Mapping[str, StageFiles]] = {
+    "encode": StageFiles(patterns=(*_T2I_SHARED, "text_encoder*/**", "tokenizer*/**")),
+    "denoise": StageFiles(patterns=(*_T2I_SHARED, "transformer/**", "scheduler/**")),
+    "decode": StageFiles(patterns=(*_T2I_SHARED, "vae/**")),
+}
+
+# Our TTS layout (omnimodel_runtime.layout): acoustic/ and vocoder/ hold each stage's model, voices/ and
+# speech.json the acoustic stage's voices and stopping rule. The acoustic stage also takes the top-level
+# files: a plain SpeechT5 snapshot, which keeps its model there, serves as the acoustic stage as it is.
+TTS_FILES: Final[Mapping[str, StageFiles]] = {
+    "acoustic": StageFiles(patterns=("*", "acoustic/**", "voices/**")),
+    "vocoder": StageFiles(patterns=("vocoder/**",)),
+}
+
+# Qwen2.5-Omni: one checkpoint whose thinker.*, talker.* and token2wav.* tensors are the three stages'
+# weights; every stage also reads the top-level configuration, tokenizer, processor and speaker files.
+_OMNI_SHARED: Final = ("*.json", "*.jinja", "*.txt", "spk_dict.pt")
+OMNI_FILES: Final[Mapping[str, StageFiles]] = {
+    "thinker": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("thinker.",)),
+    "talker": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("talker.",)),
+    "code2wav": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("token2wav.",)),
+}
+
 PRESETS: Final[Mapping[str, Preset]] = {
     p.name: p
     for p in (
@@ -108,6 +142,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     task="text-generation",
                     outputs=(Modality.TEXT,),
                     accelerator=_gpu(),
+                    files=TEXT_FILES,
                 ),
             ),
             modalities=(Modality.TEXT,),
@@ -124,6 +159,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     task="omni-thinker",
                     outputs=(Modality.TEXT,),
                     accelerator=_gpu(),
+                    files=OMNI_FILES["thinker"],
                 ),
                 Stage(
                     name="talker",
@@ -132,6 +168,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     task="omni-talker",
                     inputs=("thinker",),
                     accelerator=_gpu(),
+                    files=OMNI_FILES["talker"],
                 ),
                 Stage(
                     name="code2wav",
@@ -141,6 +178,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     inputs=("talker",),
                     outputs=(Modality.AUDIO,),
                     accelerator=_gpu(),
+                    files=OMNI_FILES["code2wav"],
                 ),
             ),
             modalities=(Modality.TEXT, Modality.AUDIO),
@@ -156,6 +194,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     engine=EngineName.DIFFUSERS,
                     task="t2i-encode",
                     accelerator=_gpu(),
+                    files=T2I_FILES["encode"],
                 ),
                 Stage(
                     name="denoise",
@@ -164,6 +203,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     task="t2i-denoise",
                     inputs=("encode",),
                     accelerator=_gpu(),
+                    files=T2I_FILES["denoise"],
                 ),
                 Stage(
                     name="decode",
@@ -173,6 +213,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     inputs=("denoise",),
                     outputs=(Modality.IMAGE,),
                     accelerator=_gpu(),
+                    files=T2I_FILES["decode"],
                 ),
             ),
             modalities=(Modality.IMAGE,),
@@ -188,6 +229,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     engine=EngineName.TRANSFORMERS,
                     task="tts-acoustic",
                     accelerator=_gpu(),
+                    files=TTS_FILES["acoustic"],
                 ),
                 Stage(
                     name="vocoder",
@@ -197,6 +239,7 @@ PRESETS: Final[Mapping[str, Preset]] = {
                     inputs=("acoustic",),
                     outputs=(Modality.AUDIO,),
                     accelerator=_CPU,
+                    files=TTS_FILES["vocoder"],
                 ),
             ),
             modalities=(Modality.AUDIO,),

@@ -8,6 +8,11 @@ encoders' output width equal to the thinker's hidden size, ``dit.num_embeds >= t
 real vocoder geometry (mel 80, upsampling 5·3·2·2·2·2 = 240 samples per mel frame, DiT blocks of 24 frames),
 so chunking and receptive-field arithmetic is the real one.
 
+``size="qwen2.5-omni-7b"`` is Qwen2.5-Omni-7B's architecture (thinker 3584 × 28 layers, audio and vision
+towers 32 × 1280, talker 896 × 24 layers, DiT 1024 × 22 layers, BigVGAN 1536 channels; 10.7 B parameters,
+bfloat16) with random weights, for measuring real per-token compute on an accelerator; ``device="cuda"``
+initialises it there (seconds instead of many minutes on a CPU) and writes it from there.
+
 Two traps of random weights are handled here: HF's default init makes BigVGAN output silence (~1e-8), so
 its convolutions are re-initialised and the output layer scaled to an audible level; and the thinker would
 print byte fragments and markup, so those rows of its output head are zeroed as in the text preset.
@@ -53,6 +58,115 @@ TARGET_RMS: Final = 0.1
 # Default stage parameters written next to the weights (engine_args still override them). The tiny talker
 # rarely samples end-of-speech (see build), so its audio is capped at 64 codes (1.28 s).
 TINY_GENERATION: Final[dict[str, Any]] = {"talker": {"max_new_tokens": 64}}
+
+
+# The released model's codec vocabulary: ids 0..8191 are codes, then pad 8292, start 8293, end 8294, mask 8296.
+REAL_CODES: Final = 8192
+# Stage defaults of the real-size build: 575 codes = 11.5 s of speech per answer (the random talker never
+# ends speech on its own; see build).
+REAL_GENERATION: Final[dict[str, Any]] = {"talker": {"max_new_tokens": 575}}
+SIZES: Final = ("tiny", "qwen2.5-omni-7b")
+
+
+def _real_config(ids: dict[str, int], eos: int, pad: int) -> Qwen2_5OmniConfig:
+    """Qwen2.5-Omni-7B's sizes (its config.json), with this tokenizer's token ids."""
+    text = {
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "bos_token_id": pad,
+        "tie_word_embeddings": False,
+    }
+    placeholders = {
+        "audio_token_index": ids[AUDIO],
+        "image_token_index": ids[IMAGE],
+        "video_token_index": ids[VIDEO],
+        "audio_start_token_id": ids[AUDIO_BOS],
+        "audio_end_token_id": ids[AUDIO_EOS],
+        "vision_start_token_id": ids[VISION_BOS],
+        "vision_end_token_id": ids[VISION_EOS],
+    }
+    thinker = {
+        "text_config": text,
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 32,
+            "encoder_attention_heads": 20,
+            "encoder_ffn_dim": 5120,
+            "d_model": 1280,
+            "output_dim": 3584,
+            "max_source_positions": 1500,
+            "n_window": 100,
+        },
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "out_hidden_size": 3584,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        },
+        **placeholders,
+        "user_token_id": ids[AUDIO],
+    }
+    talker = {
+        "vocab_size": 8448,
+        "embedding_size": 3584,
+        "hidden_size": 896,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "tts_text_start_token_id": ids[TTS_TEXT_BOS],
+        "tts_text_end_token_id": ids[TTS_TEXT_EOD],
+        "tts_text_pad_token_id": ids[TTS_PAD],
+        "tts_codec_pad_token_id": 8292,
+        "tts_codec_start_token_id": 8293,
+        "tts_codec_end_token_id": 8294,
+        "tts_codec_mask_token_id": 8296,
+        **placeholders,
+    }
+    dit = {
+        "hidden_size": 1024,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 16,
+        "head_dim": 64,
+        "ff_mult": 2,
+        "emb_dim": 512,
+        "block_size": 24,
+        "look_ahead_layers": [10],
+        "look_backward_layers": [0, 20],
+        # Every id a random talker can sample (its whole vocabulary) must have a code embedding.
+        "num_embeds": 8448,
+        "mel_dim": 80,
+        "repeats": 2,
+        "enc_emb_dim": 192,
+        "enc_dim": 128,
+        "enc_channels": [256, 256, 256, 256, 768],
+        "enc_kernel_sizes": [5, 3, 3, 3, 1],
+        "enc_dilations": [1, 2, 3, 4, 1],
+        "enc_attention_channels": 64,
+        "enc_res2net_scale": 2,
+        "enc_se_channels": 64,
+    }
+    bigvgan = {"mel_dim": 80, "upsample_initial_channel": 1536}
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        token2wav_config={"dit_config": dit, "bigvgan_config": bigvgan},
+    )
 
 
 def _config(ids: dict[str, int], vocab: int, eos: int, pad: int) -> Qwen2_5OmniConfig:
@@ -178,13 +292,18 @@ def _speakers(ids: dict[str, int], config: Qwen2_5OmniConfig, seed: int) -> dict
     }
 
 
-def _make_audible(model: Qwen2_5OmniForConditionalGeneration, speaker: dict[str, Any], seed: int) -> None:
+def _make_audible(
+    model: Qwen2_5OmniForConditionalGeneration, speaker: dict[str, Any], seed: int, codes: int = CODEC_TOKENS
+) -> None:
     """Re-initialise BigVGAN's convolutions, then scale its output layer so a probe utterance has
     :data:`TARGET_RMS`. The signal's level grows steeply with the init scale through the residual blocks,
     so a scale that keeps it small but non-zero is chosen and the last (linear) layer sets the level."""
     vocoder = model.token2wav.code2wav_bigvgan_model
     dit = model.token2wav.code2wav_dit_model
-    gen = torch.Generator().manual_seed(seed + 2)
+    device = next(vocoder.parameters()).device
+    # Draws on the weights' device (a CPU generator cannot fill GPU tensors); the CPU build is unchanged.
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    speaker = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in speaker.items()}
     with torch.no_grad():
         for module in vocoder.modules():
             if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
@@ -192,7 +311,7 @@ def _make_audible(model: Qwen2_5OmniForConditionalGeneration, speaker: dict[str,
                 module.weight.normal_(0.0, 0.66 / fan**0.5, generator=gen)
                 if module.bias is not None:
                     module.bias.zero_()
-        probe = torch.randint(0, CODEC_TOKENS, (1, 48), generator=gen)
+        probe = torch.randint(0, codes, (1, 48), generator=gen, device=device)
         torch.manual_seed(seed)  # the DiT draws its initial noise from the global generator
         mel = dit.sample(speaker["cond"].float(), speaker["ref_mel"].float(), probe)
         rms = float(vocoder(mel).float().pow(2).mean().sqrt())
@@ -203,8 +322,9 @@ def _make_audible(model: Qwen2_5OmniForConditionalGeneration, speaker: dict[str,
 
 def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> None:
     """Write a random-weight Qwen2.5-Omni checkpoint (thinker, talker, token2wav, speakers, tokenizer)."""
-    if size != "tiny":
-        raise ValueError(f"unknown size {size!r} for preset qwen2.5-omni (known: tiny)")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for preset qwen2.5-omni (known: {', '.join(SIZES)})")
+    real = size != "tiny"
     hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer(seed)
     tokenizer.add_special_tokens({"additional_special_tokens": list(EXTRA_TOKENS)})
@@ -217,7 +337,7 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        config = _config(ids, len(tokenizer), eos, pad)
+        config = _real_config(ids, eos, pad) if real else _config(ids, len(tokenizer), eos, pad)
         # Module initialisers draw from the global RNG: the same seed must give the same bytes.
         torch.manual_seed(seed)
         with torch.device(device):
@@ -225,25 +345,32 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     finally:
         hf_logging.set_verbosity(verbosity)
     speakers = _speakers(ids, config, seed)
+    head = model.thinker.lm_head.weight
     with torch.no_grad():
         # The whole model initialises every part with its top-level std (0.02), whose narrow logits make
         # greedy decoding repeat one token; the text preset's wider head (0.2) reads like varied text.
-        model.thinker.lm_head.weight.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed + 3))
+        head.normal_(0.0, 0.2, generator=torch.Generator(device=head.device).manual_seed(seed + 3))
     _silence_unprintable(model.thinker, tokenizer)
     with torch.no_grad():
-        # A random model must not "say" placeholders, TTS controls or speaker tokens either.
-        model.thinker.lm_head.weight[list(ids.values())] = 0.0
+        # A random model must not "say" placeholders, TTS controls or speaker tokens either, nor ids past
+        # the local tokenizer's (the real vocabulary is wider).
+        head[list(ids.values())] = 0.0
+        head[len(tokenizer) :] = 0.0
         # A random stop head would end speech after a handful of codes; a zero row puts end-of-speech in
         # the middle of the ranking, where top-p sampling rarely reaches, so utterances run to the cap.
         talker = model.talker
         talker.codec_head.weight[[talker.codec_pad_token, talker.codec_eos_token]] = 0.0
-    _make_audible(model, speakers[VOICES[0]], seed)
+    _make_audible(model, speakers[VOICES[0]], seed, REAL_CODES if real else CODEC_TOKENS)
+    if real:
+        # As released: bfloat16 weights (the code2wav stage runs token2wav in float32 from them).
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     torch.save(speakers, out / OMNI_SPEAKER_FILE)
-    (out / OMNI_GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
+    generation = REAL_GENERATION if real else TINY_GENERATION
+    (out / OMNI_GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     (out / "README.md").write_text(
-        "Random-weight Qwen2_5OmniForConditionalGeneration (tiny) built by "
+        f"Random-weight Qwen2_5OmniForConditionalGeneration ({size}) built by "
         f"`omnimodel make-tiny --preset qwen2.5-omni` (seed {seed}); voices {', '.join(VOICES)}. "
         "Not a trained model: its text and audio are noise.\n"
     )

@@ -78,7 +78,7 @@ def kube() -> FakeKube:
 async def test_first_reconcile_converges_and_second_writes_nothing(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
     first = await run(kube, "qwen-omni")
-    assert len(first.applied) == 14
+    assert len(first.applied) == 13
     assert {d["metadata"]["name"] for d in kube.of_kind("Deployment")} == {
         "qwen-omni-thinker", "qwen-omni-talker", "qwen-omni-code2wav", "qwen-omni-gateway",
     }  # fmt: skip

@@ -1,4 +1,6 @@
-"""The transformers text engine on the tiny Qwen2: batching, sampling, stopping, cancellation."""
+"""The transformers text engine on the tiny Qwen2: batching, sampling, stopping, cancellation; every test
+runs with both decode paths (``dynamic``: Hugging Face's cache; ``static``: slots of a static cache, the
+CUDA-graph path, here eager on the CPU)."""
 
 from __future__ import annotations
 
@@ -46,10 +48,13 @@ def _engine(tiny_text: Path, metrics: RecordingMetrics, **engine_args: Any) -> E
     return create_engine(context)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_text: Path) -> AsyncIterator[tuple[Engine, RecordingMetrics]]:
+DECODES = ["dynamic", "static"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=DECODES)
+async def engine(tiny_text: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[Engine, RecordingMetrics]]:
     metrics = RecordingMetrics()
-    eng = _engine(tiny_text, metrics)
+    eng = _engine(tiny_text, metrics, decode=request.param)
     await eng.start()
     await eng.warmup()
     yield eng, metrics
@@ -171,11 +176,12 @@ async def test_expired_deadline_is_a_504(engine: tuple[Engine, RecordingMetrics]
     assert info.value.status == 504
 
 
-async def test_a_burst_waits_for_the_batch_window_and_starts_as_one_batch(tiny_text: Path) -> None:
+@pytest.mark.parametrize("decode", DECODES)
+async def test_a_burst_waits_for_the_batch_window_and_starts_as_one_batch(tiny_text: Path, decode: str) -> None:
     metrics = RecordingMetrics()
     # A long window that closes as soon as the batch is full: the burst's arrival order and timing
     # cannot split it, so the assertion below is about behaviour, not speed.
-    eng = _engine(tiny_text, metrics, max_batch_size=4, batch_wait=30.0)
+    eng = _engine(tiny_text, metrics, max_batch_size=4, batch_wait=30.0, decode=decode)
     await eng.start()
     try:
         metrics.batches.clear()

@@ -3,7 +3,7 @@
 vLLM-Omni looks up speaker rows 151870/151872 in the thinker embedding, builds talker prompts from the
 codec controls 8292/8293/8294 and forwards every talker id below 8292 to the DiT. These tests pin that
 geometry on the built files (loading in vLLM-Omni's own environment and serving it across three pods
-is ``e2e/vllm_omni_qwen``, see docs/vllm-omni.md).
+is ``e2e/serving/test_vllm_omni_operator.py``, see docs/vllm-omni.md).
 """
 
 from __future__ import annotations

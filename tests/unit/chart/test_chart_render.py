@@ -118,6 +118,8 @@ def expected_namespaced_rules() -> dict[tuple[str, str], set[str]]:
         # server-side apply (patch; create for new objects), get (name conflicts), list + watch (the
         # kopf index the controller reads), delete to prune.
         rules[(group, plural)] = {"create", "patch", "get", "list", "watch", "delete"}
+    # autoscaler.loop: replicas of autoscaled stages through the scale subresource.
+    rules[("apps", "deployments/scale")] = {"patch"}
     return rules
 
 
@@ -227,6 +229,10 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
         stage_requests={"cpu": "500m", "memory": "1Gi"},
         gateway_requests={"cpu": "100m", "memory": "256Mi"},
         scrape_from={},
+        vllm_omni_images={"nvidia": "vllm/vllm-omni:v0.30.0", "amd": "vllm/vllm-omni-rocm:v0.30.0"},
+        autoscale_interval=10.0,
+        autoscale_scrape_timeout=2.0,
+        vllm_omni_env={},
         namespaces=[],
         network_policy=True,
         health_port=8080,

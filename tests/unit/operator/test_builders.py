@@ -66,10 +66,8 @@ def test_qwen_omni_example_renders_heterogeneous_stages() -> None:
 
     talker = out[("Deployment", "qwen-omni-talker")]
     assert container(talker)["resources"]["limits"] == {"amd.com/gpu": "1"}
-    assert "replicas" not in talker["spec"]  # the HPA owns it
-    hpa = out[("HorizontalPodAutoscaler", "qwen-omni-talker")]
-    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
-    assert hpa["spec"]["scaleTargetRef"]["name"] == "qwen-omni-talker"
+    assert "replicas" not in talker["spec"]  # the operator's autoscaler owns it (scale subresource)
+    assert ("HorizontalPodAutoscaler", "qwen-omni-talker") not in out  # provider operator: no HPA
 
     code2wav = out[("Deployment", "qwen-omni-code2wav")]
     limits = container(code2wav)["resources"].get("limits", {})
@@ -199,3 +197,18 @@ def test_pvc_source_needs_a_valid_claim_name() -> None:
     spec = spec_for("text", Vendor.CPU) | {"model": {"source": "pvc://Bad_Claim/x"}}
     with pytest.raises(InvalidSpec, match=r"spec\.model\.source"):
         resolve("m", "ml", spec, SETTINGS)
+
+
+def test_provider_hpa_renders_a_horizontal_pod_autoscaler() -> None:
+    doc = yaml.safe_load((REPO / "examples" / "tts.yaml").read_text())
+    out = by_kind_name(render(resolve("speech", "ml", doc["spec"], SETTINGS, uid="u"), SETTINGS))
+    hpa = out[("HorizontalPodAutoscaler", "speech-acoustic")]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "speech-acoustic"
+    assert hpa["spec"]["metrics"] == [
+        {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}
+    ]
+    assert "replicas" not in out[("Deployment", "speech-acoustic")]["spec"]
+    # An HPA on cpu needs a cpu request to divide by: the default one is there.
+    requests = out[("Deployment", "speech-acoustic")]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert requests["requests"]["cpu"] == "500m"

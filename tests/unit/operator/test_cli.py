@@ -16,7 +16,7 @@ def test_render_prints_every_child_as_yaml(capsys: pytest.CaptureFixture[str]) -
     assert main(["render", "-f", str(REPO / "examples" / "qwen-omni.yaml"), "-n", "ml"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "Service", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Service", "ServiceAccount"]
     assert {d["metadata"]["namespace"] for d in docs} == {"ml"}
     assert sum(d["kind"] == "Deployment" for d in docs) == 4
 

@@ -98,7 +98,7 @@ def test_crd_shape() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_validates(example: Path) -> None:
     for doc in yaml.safe_load_all(example.read_text()):
-        jsonschema.validate(doc, openapi_schema())
+        jsonschema.validate(doc, openapi_schema(), cls=jsonschema.Draft4Validator)  # OpenAPI v3 bounds are draft 4's
         OmniModel.model_validate(doc)
 
 
@@ -106,4 +106,13 @@ def test_schema_rejects_what_the_models_reject() -> None:
     doc = yaml.safe_load((REPO / "examples" / "text-tiny.yaml").read_text())
     doc["spec"]["stages"][0]["replicas"] = -1
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(doc, openapi_schema())
+        jsonschema.validate(doc, openapi_schema(), cls=jsonschema.Draft4Validator)  # OpenAPI v3 bounds are draft 4's
+
+
+def test_bounds_are_written_the_openapi_v3_way() -> None:
+    """Kubernetes reads exclusiveMinimum/exclusiveMaximum as booleans beside minimum/maximum (OpenAPI v3);
+    JSON Schema 2020's numeric form makes the API server refuse the whole CRD."""
+    for _, node in walk(openapi_schema()):
+        for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if flag in node:
+                assert node[flag] is True and bound in node, node

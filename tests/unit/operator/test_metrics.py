@@ -107,7 +107,7 @@ async def test_requests_are_counted_by_verb_as_the_api_server_took_them(
         "status": 1,
         "event": by_verb["create"],  # the only objects reconcile creates are Events
     }
-    assert by_verb["apply"] == len(outcome.applied) == by_verb["get"] == 14
+    assert by_verb["apply"] == len(outcome.applied) == by_verb["get"] == 13
     deployments = sum(1 for verb, kind, _ in kube.requests if (verb, kind) == ("apply", "Deployment"))
     assert value(metrics, "omnimodel_operator_api_requests_total", verb="apply", kind="Deployment") == deployments == 4
     assert value(metrics, "omnimodel_operator_api_requests_total", verb="status", kind="OmniModel") == 1

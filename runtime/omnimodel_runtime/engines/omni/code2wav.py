@@ -15,7 +15,15 @@ that turns codes into mel frames (2 per code), then BigVGAN (240 samples per mel
   no practical window reproduces the whole-sequence mel exactly: chunked audio is an approximation of the
   whole path (tolerance measured and stated in docs/pipelines/qwen2.5-omni.md).
 
-Both paths use :func:`sample_mel`, which is the DiT's own ``sample()`` with the initial noise passed in.
+Both paths use :func:`sample_mel`, which is the DiT's own ``sample()`` with the initial noise passed in (and
+its RK4 solver's arithmetic written out without the solver's host-side comparisons, so that on CUDA a
+whole ``sample_mel`` — 36 DiT evaluations — is captured as one CUDA graph per window shape).
+
+Batched serving (``engine_args.batching``, on by default on accelerators) runs the chunks of several
+streamed requests that are ready at the same time, with windows of the same length, as one DiT pass
+(batch rows are independent: each row's result is its own, up to the rounding of a larger matrix
+product). The window shapes every steady stream uses (the first window, then left context + chunk +
+look-ahead) are captured at start; others (a stream's last window) run eagerly.
 
 Speech requests (``/v1/audio/speech``) have no whole-model waveform to reproduce, so both paths draw the
 noise from the position-consistent sequence (:class:`PagedNoise`): the whole file and the stream then
@@ -26,14 +34,16 @@ too, exact in chunks).
 
 from __future__ import annotations
 
+import itertools
+import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import Qwen2_5OmniToken2WavModel
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
 from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
 from omnimodel_runtime.engines.omni.common import (
@@ -50,17 +60,44 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob, flag
+from omnimodel_runtime.engines.slots import bucket, buckets, capture
+from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import FinalFrame, StageInput, StageParams, StageRequest, TensorFrame, Usage
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
 
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
-# a chunk of 2 blocks with 2 blocks of left context and 1 block of look-ahead (vLLM-Omni's geometry); the
-# vocoder gets 24 mel frames of context on each side, which covers BigVGAN's receptive field at the
-# released kernel and dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
-CHUNK_DEFAULTS: dict[str, int] = {"chunk_blocks": 2, "left_blocks": 2, "lookahead_blocks": 1, "vocoder_context": 24}
+# chunks of 2 blocks (vLLM-Omni's geometry; the first may be set apart with ``first_chunk_blocks``: 1 block
+# leaves nothing to vocode until the second chunk, whose audio needs the vocoder's right context), each
+# with 2 blocks of left context and 1 block of look-ahead; the vocoder gets 24
+# mel frames of context on each side, which covers BigVGAN's receptive field at the released kernel and
+# dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
+#
+# A stream that has fallen behind (more codes waiting than one chunk) takes a larger chunk, up to
+# ``max_chunk_blocks``, doubling from ``chunk_blocks``: a DiT pass costs about the same whatever its
+# window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
+# cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
+# audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
+CHUNK_DEFAULTS: dict[str, int] = {
+    "first_chunk_blocks": 2,
+    "chunk_blocks": 2,
+    "max_chunk_blocks": 8,
+    "left_blocks": 2,
+    "lookahead_blocks": 1,
+    "vocoder_context": 24,
+}
 
 
 def sample_mel(
@@ -114,9 +151,25 @@ def sample_mel(
     times = torch.linspace(0, 1, num_steps, device=codes.device, dtype=cond.dtype)
     if sway_coefficient is not None:
         times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
-    mel: torch.Tensor = trajectory[-1].permute(0, 2, 1)
+    mel: torch.Tensor = _rk4(ode_function, noise, times).permute(0, 2, 1)
     return mel
+
+
+def _rk4(function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], y0: torch.Tensor, times: torch.Tensor) -> Any:
+    """``RungeKutta4ODESolver(function, y0).integrate(times)[-1]``, the same operations in the same order.
+    The solver also interpolates the solution at every time point, comparing device tensors on the host to
+    find them; for increasing time points (the sway schedule is) every point is an interval's end, so its
+    last solution is the last step's value, and nothing here waits for the device."""
+    one_third, two_thirds = 1 / 3, 2 / 3
+    value = y0
+    for start, end in itertools.pairwise(times):
+        step = end - start
+        k1 = function(start, value)
+        k2 = function(start + step * one_third, value + step * k1 * one_third)
+        k3 = function(start + step * two_thirds, value + step * (k2 - k1 * one_third))
+        k4 = function(end, value + step * (k1 - k2 + k3))
+        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
+    return value
 
 
 class PagedNoise:
@@ -142,22 +195,40 @@ class ChunkPlan:
     """Chunk geometry in codes (one DiT block = ``block`` codes) and vocoder context in mel frames."""
 
     block: int
-    chunk: int
+    chunk: int  # a chunk's usual size
     left: int
     lookahead: int
     vocoder_context: int
+    first: int = 0  # the first chunk's size (default: ``chunk``)
+    sizes: tuple[int, ...] = ()  # chunk sizes a stream that is behind may take, ascending (default: ``chunk``)
 
     @classmethod
     def from_args(cls, dit_config: Any, args: dict[str, Any]) -> ChunkPlan:
         values = {**CHUNK_DEFAULTS, **{k: int(v) for k, v in args.items() if k in CHUNK_DEFAULTS}}
         block = max(1, int(dit_config.block_size) // int(dit_config.repeats))
+        chunk = block * max(1, values["chunk_blocks"])
+        sizes = [chunk]
+        while sizes[-1] * 2 <= block * values["max_chunk_blocks"]:
+            sizes.append(sizes[-1] * 2)
         return cls(
             block=block,
-            chunk=block * max(1, values["chunk_blocks"]),
+            chunk=chunk,
             left=block * values["left_blocks"],
             lookahead=block * values["lookahead_blocks"],
             vocoder_context=values["vocoder_context"],
+            first=block * max(1, values["first_chunk_blocks"]),
+            sizes=tuple(sizes),
         )
+
+    def windows(self) -> set[int]:
+        """Window lengths (codes) of a stream's chunks away from its end: the first, the second (whose left
+        context is the first chunk only), then the steady ones."""
+        first, sizes = self.first or self.chunk, self.sizes or (self.chunk,)
+        out = {first + self.lookahead}
+        for size in sizes:
+            out.add(min(first, self.left) + size + self.lookahead)
+            out.add(self.left + size + self.lookahead)
+        return out
 
 
 class OmniCode2WavEngine(OmniEngine):
@@ -170,6 +241,7 @@ class OmniCode2WavEngine(OmniEngine):
         self._options: dict[str, Any] = dict(TOKEN2WAV_DEFAULTS)
         self._plan: ChunkPlan | None = None
         self._hop = 240
+        self._mels: _MelRunner | None = None
 
     @property
     def speakers(self) -> Speakers:
@@ -188,6 +260,20 @@ class OmniCode2WavEngine(OmniEngine):
         self._options.update(generation_overrides(model_dir, "token2wav", self.args))
         self._plan = ChunkPlan.from_args(config.token2wav_config.dit_config, self.args)
         self._hop = int(np.prod(config.token2wav_config.bigvgan_config.upsample_rates))
+        if self.batched:
+            self._load_batched()
+
+    def _load_batched(self) -> None:
+        assert self._plan is not None
+        plan = self._plan
+        if torch.device(self.device).type == "cuda" and flag(self.args, "tf32", default=True):
+            # The DiT and BigVGAN run in float32 (from bfloat16 weights): TensorFloat-32 matrix products
+            # keep more mantissa than the weights have and run several times faster.
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self._mels = _MelRunner(self, max_rows=int(self.args.get("dit_batch", 4)), graphs=self.graphs)
+        self._mels.shapes = plan.windows()
+        default = self.speakers[self.speakers.default]
+        self._mels.capture_all(int(default["ref_mel"].shape[1]))
 
     async def warmup(self) -> None:
         async def upstream() -> Any:
@@ -224,15 +310,14 @@ class OmniCode2WavEngine(OmniEngine):
     # ------------------------------------------------------------ whole (exact) path
 
     def _run_whole(self, job: OmniJob) -> None:
-        codes: list[int] = []
-        rng: TensorFrame | None = None
+        whole = _Whole()
         for frame in job.upstream():
-            if isinstance(frame, TensorFrame) and frame.meta.get("kind") == CODES_KIND:
-                codes.extend(int(c) for c in frame.tensors["codes"])
-            elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == RNG_KIND:
-                rng = frame
-            elif isinstance(frame, FinalFrame):
+            if whole.push(frame):
                 break
+        self._whole(job, whole)
+
+    def _whole(self, job: OmniJob, whole: _Whole) -> None:
+        codes, rng = whole.codes, whole.rng
         if codes:
             dit = self.model.code2wav_dit_model
             frames = len(codes) * int(dit.repeats)
@@ -279,59 +364,273 @@ class OmniCode2WavEngine(OmniEngine):
     # ------------------------------------------------------------ chunked (streaming) path
 
     def _run_chunked(self, job: OmniJob) -> None:
-        assert self._plan is not None
-        plan = self._plan
-        dit, vocoder = self.model.code2wav_dit_model, self.model.code2wav_bigvgan_model
-        repeats = int(dit.repeats)
-        noise = self._paged_noise(job)
-        stretch = self._stretch(job)
-        codes: list[int] = []
-        mel = torch.zeros((1, int(dit.mel_dim), 0), device=self.device)
-        mel_start = 0  # global index of mel[..., 0] (older frames are dropped once vocoded)
-        chunk_start = 0  # next chunk's first code
-        voiced = 0  # mel frames whose audio has been sent
-        ended = False
-        frames = job.upstream()
-        while True:
-            if not ended:
-                frame = next(frames, None)
-                if frame is None or isinstance(frame, FinalFrame):
-                    ended = True
-                elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == CODES_KIND:
-                    codes.extend(int(c) for c in frame.tensors["codes"])
-            # Every chunk whose look-ahead has arrived (all that remain once the talker has finished).
-            while chunk_start < len(codes) and (ended or len(codes) >= chunk_start + plan.chunk + plan.lookahead):
-                end = min(chunk_start + plan.chunk, len(codes))
-                lo, hi = max(0, chunk_start - plan.left), min(len(codes), end + plan.lookahead)
-                window = torch.tensor([codes[lo:hi]], dtype=torch.long, device=self.device)
-                y0 = noise.frames(lo * repeats, hi * repeats)
-                out = sample_mel(
-                    dit, job.data["cond"], job.data["ref_mel"], window, y0, check=job.check, **self._options
-                )
-                keep = out[:, :, (chunk_start - lo) * repeats : (end - lo) * repeats]
-                last = ended and end >= len(codes)
-                if stretch is not None:
-                    keep = self._stretched(stretch, keep, final=last)
-                mel = torch.cat([mel, keep], dim=2)
-                chunk_start = end
-                # Vocode what has enough right context (everything at the end).
-                total = mel_start + mel.shape[2]
-                ready = total if last else total - plan.vocoder_context
-                if ready > voiced:
-                    lo_m = max(mel_start, voiced - plan.vocoder_context)
-                    hi_m = min(total, ready + plan.vocoder_context)
-                    audio = vocoder(mel[:, :, lo_m - mel_start : hi_m - mel_start]).reshape(-1)
-                    skip = (voiced - lo_m) * self._hop
-                    self._emit_audio(job, audio[skip : skip + (ready - voiced) * self._hop])
-                    voiced = ready
-                    # Only the vocoder's left context is needed again.
-                    drop = max(0, voiced - plan.vocoder_context - mel_start)
-                    mel, mel_start = mel[:, :, drop:], mel_start + drop
-            if ended and chunk_start >= len(codes):
+        stream = _Chunked(self, job)
+        for frame in job.upstream():
+            stream.push(frame)
+            self._chunks(stream)
+            if stream.ended:
                 break
-        job.emit(FinalFrame("stop", Usage(prompt_tokens=len(codes))))
+        stream.ended = True
+        self._chunks(stream)
+        job.emit(FinalFrame("stop", Usage(prompt_tokens=len(stream.codes))))
+
+    def _chunks(self, stream: _Chunked) -> None:
+        """Every chunk of ``stream`` whose look-ahead has arrived (all that remain once it has ended)."""
+        while (window := stream.window()) is not None:
+            job = stream.job
+            out = sample_mel(
+                self.model.code2wav_dit_model,
+                job.data["cond"],
+                job.data["ref_mel"],
+                window.codes.unsqueeze(0),
+                window.noise.unsqueeze(0),
+                check=job.check,
+                **self._options,
+            )
+            stream.finish(window, out)
+
+    # ------------------------------------------------------------ batched serving
+
+    def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
+        finished: list[OmniJob] = []
+        moved = False
+        ready: list[tuple[_Chunked, _Window]] = []
+        for job in jobs:
+            try:
+                frames = job.poll()
+                if job.state is None:
+                    job.state = _Chunked(self, job) if job.data["chunked"] else _Whole()
+                state = job.state
+                if isinstance(state, _Whole):
+                    complete = any(state.push(frame) for frame in frames) or job.ended
+                    if complete:
+                        moved = True
+                        self._whole(job, state)
+                        finished.append(job)
+                    continue
+                for frame in frames:
+                    state.push(frame)
+                if job.ended:
+                    state.ended = True
+                window = state.window()
+                if window is not None:
+                    ready.append((state, window))
+                elif state.done:
+                    moved = True
+                    job.emit(FinalFrame("stop", Usage(prompt_tokens=len(state.codes))))
+                    finished.append(job)
+            except CancelledRequestError:
+                finished.append(job)
+            except Exception as err:  # this request's input failed, not the batch
+                self.fail(job, err)
+                finished.append(job)
+        groups: dict[tuple[int, int], list[tuple[_Chunked, _Window]]] = {}
+        for state, window in ready:
+            key = (int(window.codes.shape[0]), int(state.job.data["ref_mel"].shape[1]))
+            groups.setdefault(key, []).append((state, window))
+        assert self._mels is not None
+        for group in groups.values():
+            for start in range(0, len(group), self._mels.max_rows):
+                part = group[start : start + self._mels.max_rows]
+                moved = True
+                self.context.metrics.observe_batch(len(part))
+                mels = self._mels.run([(s.job, w) for s, w in part])
+                for (state, window), mel in zip(part, mels, strict=True):
+                    try:
+                        state.finish(window, mel.unsqueeze(0))
+                    except Exception as err:
+                        self.fail(state.job, err)
+                        finished.append(state.job)
+        return finished, moved
 
     def _emit_audio(self, job: OmniJob, waveform: torch.Tensor) -> None:
         samples = waveform.detach().reshape(-1).float().to("cpu").numpy()
         if samples.size:
             job.emit(TensorFrame({"audio": samples}, meta={**AUDIO_META, "sample_rate": SAMPLE_RATE}))
+
+
+class _Whole:
+    """The whole path's input so far: every code, and the talker's final random state."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.rng: TensorFrame | None = None
+
+    def push(self, frame: ResponseFrame) -> bool:
+        """Take one upstream frame; True at the talker's final frame."""
+        if isinstance(frame, TensorFrame) and frame.meta.get("kind") == CODES_KIND:
+            self.codes.extend(int(c) for c in frame.tensors["codes"])
+        elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == RNG_KIND:
+            self.rng = frame
+        return isinstance(frame, FinalFrame)
+
+
+@dataclass
+class _Window:
+    """One DiT pass of a chunked stream: codes ``[lo, hi)`` around the chunk ``[start, end)``."""
+
+    codes: torch.Tensor  # (hi - lo,)
+    noise: torch.Tensor  # (frames, mel_dim)
+    lo: int
+    start: int
+    end: int
+
+
+class _Chunked:
+    """One streamed request's chunking: codes so far, the mel not vocoded yet, what has been sent."""
+
+    def __init__(self, engine: OmniCode2WavEngine, job: OmniJob) -> None:
+        assert engine._plan is not None
+        self.engine, self.job, self.plan = engine, job, engine._plan
+        dit = engine.model.code2wav_dit_model
+        self.repeats = int(dit.repeats)
+        self.noise = engine._paged_noise(job)
+        self.stretch = engine._stretch(job)
+        self.codes: list[int] = []
+        self.ended = False
+        self.mel = torch.zeros((1, int(dit.mel_dim), 0), device=engine.device)
+        self.mel_start = 0  # global index of mel[..., 0] (older frames are dropped once vocoded)
+        self.chunk_start = 0  # next chunk's first code
+        self.voiced = 0  # mel frames whose audio has been sent
+
+    def push(self, frame: ResponseFrame) -> None:
+        if isinstance(frame, FinalFrame):
+            self.ended = True
+        elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == CODES_KIND:
+            self.codes.extend(int(c) for c in frame.tensors["codes"])
+
+    @property
+    def done(self) -> bool:
+        return self.ended and self.chunk_start >= len(self.codes)
+
+    def window(self) -> _Window | None:
+        """The next chunk's DiT window, once its look-ahead has arrived (or the codes have ended): the first
+        chunk's size at the start, else the largest size whose look-ahead is here (all the rest, up to the
+        largest size, once the codes have ended)."""
+        plan, start, codes = self.plan, self.chunk_start, self.codes
+        if start >= len(codes):
+            return None
+        sizes = plan.sizes or (plan.chunk,)
+        waiting = len(codes) - start
+        if start == 0:
+            size = plan.first or plan.chunk
+            if not self.ended and waiting < size + plan.lookahead:
+                return None
+        elif self.ended:
+            size = min(waiting, sizes[-1])
+        else:
+            fitting = [s for s in sizes if s + plan.lookahead <= waiting]
+            if not fitting:
+                return None
+            size = fitting[-1]
+        end = min(start + size, len(codes))
+        lo, hi = max(0, start - plan.left), min(len(codes), end + plan.lookahead)
+        device = self.engine.device
+        window = torch.tensor(codes[lo:hi], dtype=torch.long, device=device)
+        noise = self.noise.frames(lo * self.repeats, hi * self.repeats)[0]
+        return _Window(codes=window, noise=noise, lo=lo, start=start, end=end)
+
+    def finish(self, window: _Window, out: torch.Tensor) -> None:
+        """Keep the chunk's mel out of the window's DiT output ``out`` (1, mel_dim, frames), and vocode and
+        send what has enough right context (everything at the end)."""
+        engine, plan, repeats = self.engine, self.plan, self.repeats
+        keep = out[:, :, (window.start - window.lo) * repeats : (window.end - window.lo) * repeats]
+        last = self.ended and window.end >= len(self.codes)
+        if self.stretch is not None:
+            keep = engine._stretched(self.stretch, keep, final=last)
+        self.mel = torch.cat([self.mel, keep], dim=2)
+        self.chunk_start = window.end
+        total = self.mel_start + self.mel.shape[2]
+        ready = total if last else total - plan.vocoder_context
+        if ready > self.voiced:
+            lo_m = max(self.mel_start, self.voiced - plan.vocoder_context)
+            hi_m = min(total, ready + plan.vocoder_context)
+            vocoder = engine.model.code2wav_bigvgan_model
+            audio = vocoder(self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start]).reshape(-1)
+            skip = (self.voiced - lo_m) * engine._hop
+            engine._emit_audio(self.job, audio[skip : skip + (ready - self.voiced) * engine._hop])
+            self.voiced = ready
+            # Only the vocoder's left context is needed again.
+            drop = max(0, self.voiced - plan.vocoder_context - self.mel_start)
+            self.mel, self.mel_start = self.mel[:, :, drop:], self.mel_start + drop
+
+
+class _MelRunner:
+    """Batched DiT windows: one :func:`sample_mel` over several requests' windows of one length; on CUDA
+    the usual window shapes run as captured graphs (rows rounded up to a power of two, padded with copies
+    of the first row)."""
+
+    def __init__(self, engine: OmniCode2WavEngine, *, max_rows: int, graphs: bool) -> None:
+        self.engine = engine
+        self.max_rows = max_rows
+        self.rows = buckets(max_rows)
+        self.graphs = graphs
+        self.shapes: set[int] = set()  # window lengths (codes) that run as graphs
+        self._graphs: dict[tuple[int, int, int], tuple[Any, Any, dict[str, torch.Tensor]]] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
+
+    def run(self, items: list[tuple[OmniJob, _Window]]) -> list[torch.Tensor]:
+        """Each window's mel (mel_dim, frames), in order."""
+        inputs = {
+            "cond": torch.cat([job.data["cond"] for job, _ in items]),
+            "ref": torch.cat([job.data["ref_mel"] for job, _ in items]),
+            "codes": torch.stack([w.codes for _, w in items]),
+            "noise": torch.stack([w.noise for _, w in items]),
+        }
+        length = int(inputs["codes"].shape[1])
+        if self.graphs and length in self.shapes:
+            rows = bucket(len(items), self.rows)
+            graph, out, static = self._graph(rows, length, int(inputs["ref"].shape[1]))
+            for name, tensor in inputs.items():
+                static[name][: len(items)].copy_(tensor)
+                static[name][len(items) :].copy_(tensor[:1].expand(rows - len(items), *tensor.shape[1:]))
+            graph.replay()
+            mel = out[: len(items)].clone()
+        else:
+            mel = self._sample(inputs)
+        return list(mel)
+
+    def _sample(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        engine = self.engine
+        dit = engine.model.code2wav_dit_model
+        out: torch.Tensor = sample_mel(
+            dit, inputs["cond"], inputs["ref"], inputs["codes"], inputs["noise"], **engine._options
+        )
+        return out
+
+    def _graph(self, rows: int, length: int, ref: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+        key = (rows, length, ref)
+        found = self._graphs.get(key)
+        if found is None:
+            engine = self.engine
+            dit = engine.model.code2wav_dit_model
+            device = engine.device
+            cond_dim = int(dit.config.enc_emb_dim)
+            mel_dim = int(dit.mel_dim)
+            static = {
+                "cond": torch.zeros((rows, cond_dim), device=device),
+                "ref": torch.zeros((rows, ref, mel_dim), device=device),
+                "codes": torch.zeros((rows, length), dtype=torch.long, device=device),
+                "noise": torch.randn((rows, length * int(dit.repeats), mel_dim), device=device),
+            }
+            graph, out = capture(lambda: self._sample(static), self._pool)
+            found = (graph, out, static)
+            self._graphs[key] = found
+        return found
+
+    def capture_all(self, ref: int) -> None:
+        """Capture the steady window shapes for every row count (speakers' reference mel of ``ref`` frames)."""
+        if not self.graphs:
+            return
+        try:
+            for length in sorted(self.shapes):
+                for rows in self.rows:
+                    self._graph(rows, length, ref)
+        except Exception:  # still serves, eagerly
+            log.exception("CUDA graph capture of the DiT failed; running it eagerly")
+            self.graphs = False
+            self._graphs.clear()
+            return
+        log.info(
+            "Captured %d DiT graphs (windows %s codes, rows %s)", len(self._graphs), sorted(self.shapes), self.rows
+        )

@@ -1,7 +1,16 @@
-"""The engine base of the three Qwen2.5-Omni stages: a worker thread running one request at a time (the
-modules keep per-call state such as ``rope_deltas`` during ``generate()``, so one instance must not run
-two calls at once), fed the upstream stage's frames as they arrive; cancellation is a flag checked every
-step (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`)."""
+"""The engine base of the three Qwen2.5-Omni stages: a worker thread fed the upstream stage's frames as they
+arrive; cancellation is a flag checked every step (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`).
+
+Two ways to serve, chosen per stage by ``engine_args.batching`` (default: on for accelerators, off on CPU):
+
+- **one request at a time** (:meth:`OmniEngine.run`): Hugging Face's own ``generate()`` per request, bit
+  for bit the whole model's output (the modules keep per-call state such as ``rope_deltas`` during
+  ``generate()``, so one instance runs one call at a time);
+- **batched** (:meth:`OmniEngine.advance`): every running request advances together, one step of each
+  per iteration (one batched decode step over static per-request caches, one DiT pass over several
+  requests' chunks). A request waiting for upstream input simply sits out the steps until it has it;
+  the loop sleeps only when no request can move, and any frame arriving upstream wakes it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -18,7 +28,9 @@ import torch
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.slots import new_stream, on_stream
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
+from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput, StageRequest
 
 log = logging.getLogger(__name__)
@@ -34,6 +46,9 @@ class OmniJob(Job):
     engine: OmniEngine
     feed: queue.Queue[Any] = field(default_factory=queue.Queue)
     data: dict[str, Any] = field(default_factory=dict)
+    # Batched serving: whether the upstream feed has ended (set by ``poll``) and the stage's own state.
+    ended: bool = False
+    state: Any = None
 
     def emit(self, frame: ResponseFrame) -> None:
         self.engine.send(self, frame)
@@ -58,6 +73,37 @@ class OmniJob(Job):
                 raise item
             yield item
 
+    def poll(self) -> list[ResponseFrame]:
+        """The upstream frames that have arrived, without waiting (batched serving); sets ``ended`` once
+        the feed has ended."""
+        out: list[ResponseFrame] = []
+        while not self.ended:
+            try:
+                item = self.feed.get_nowait()
+            except queue.Empty:
+                break
+            if item is _END:
+                self.check()
+                self.ended = True
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                out.append(item)
+        return out
+
+
+def flag(args: dict[str, Any], name: str, *, default: bool) -> bool:
+    """A boolean engine argument (``true``/``false``, also as strings from the command line)."""
+    value = args.get(name)
+    if value is None:
+        return default
+    return str(value).lower() not in ("0", "false", "no", "off")
+
+
+def batching_default(args: dict[str, Any], device: str) -> bool:
+    """``engine_args.batching``, by default on wherever the engine runs on an accelerator."""
+    return flag(args, "batching", default=torch.device(device).type != "cpu")
+
 
 class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
     """A worker-thread engine running one Qwen2.5-Omni part, one request at a time (the modules keep
@@ -68,7 +114,14 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         self.args = dict(context.stage.engine_args)
         self.device = resolve_device(context.settings.device)
         self.dtype = torch_dtype(self.args.get("dtype"), self.device)
-        self._current: OmniJob | None = None  # the job the worker is running
+        self.batched = batching_default(self.args, self.device)
+        self.graphs = torch.device(self.device).type == "cuda" and flag(self.args, "cuda_graphs", default=True)
+        self.max_batch = int(self.args.get("max_batch_size", 8))
+        self._current: OmniJob | None = None  # the job the worker is running (one at a time)
+        self._active: list[OmniJob] = []  # the jobs the worker is running (batched)
+        self._wake = threading.Event()  # set when a job or an upstream frame arrives
+        self._stream_priority = 0  # the talker and thinker ask for a higher one (lower number)
+        self._stream: Any = None
 
     # ------------------------------------------------------------ subclass hooks
 
@@ -88,17 +141,44 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
     def run(self, job: OmniJob) -> None:
         """Serve one request on the worker thread, emitting frames; the worker adds nothing after it."""
 
+    def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
+        """Batched serving: move every job in ``jobs`` on by one step where it can; returns the jobs that
+        finished (answered, their resources released) and whether anything moved. A job failing alone is
+        answered with :meth:`fail` and returned as finished; an exception fails the whole batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve batched")
+
+    def release(self, job: OmniJob) -> None:
+        """Batched serving: free what ``job`` holds (its cache slot); it will not be advanced again."""
+
     # ------------------------------------------------------------ the worker
 
     def worker_mode(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.inference_mode()
+        if self._stream is None:
+            self._stream = new_stream(self.device, priority=self._stream_priority)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(on_stream(self._stream))
+        return stack
 
     def load(self) -> None:
-        with torch.inference_mode():
+        with self.worker_mode():
             self.load_part()
-        log.info("Loaded %s on %s for stage %s", type(self).__name__, self.device, self.stage.name)
+        log.info(
+            "Loaded %s on %s for stage %s (%s)",
+            type(self).__name__,
+            self.device,
+            self.stage.name,
+            "batched" if self.batched else "one request at a time",
+        )
+
+    def submit(self, job: OmniJob) -> None:
+        super().submit(job)
+        self._wake.set()
 
     def serve(self) -> None:
+        if self.batched:
+            self._serve_batched()
+            return
         while (job := self.take()) is not None:
             if job.cancelled:
                 continue
@@ -113,10 +193,58 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
             finally:
                 self._current = None
 
+    def _serve_batched(self) -> None:
+        active = self._active
+        while True:
+            self.flush()
+            if self.stopping:
+                for job in active:
+                    self.refuse(job)
+                    self.release(job)
+                active.clear()
+                return
+            # Idle: wait for a request; running: take whatever has arrived, without waiting.
+            new: list[OmniJob] = []
+            first = self.take() if not active else None
+            if first is not None:
+                new.append(first)
+            while (more := self.take(0)) is not None:
+                new.append(more)
+            active.extend(job for job in new if not job.cancelled)
+            alive = []
+            for job in active:
+                try:
+                    self.check(job)
+                    alive.append(job)
+                except CancelledRequestError:
+                    self.release(job)
+                except StageError as err:
+                    self.fail(job, err)
+                    self.release(job)
+            active[:] = alive
+            if not active:
+                continue
+            self._wake.clear()
+            try:
+                finished, moved = self.advance(active)
+            except Exception as err:  # a failed batched step fails its batch, not the engine
+                for job in active:
+                    self.fail(job, err)
+                    self.release(job)
+                active.clear()
+                continue
+            gone = {id(job) for job in finished}
+            active[:] = [job for job in active if id(job) not in gone]
+            if not moved:
+                self.flush()
+                # Everyone waits for upstream input: sleep until a frame or a job arrives (or a moment
+                # passes, so that cancellations and deadlines are still seen).
+                self._wake.wait(0.05)
+
     @property
     def busy(self) -> bool:
         """Whether the worker is running a request right now."""
-        return self._current is not None
+        return self._current is not None or bool(self._active)
 
     # ------------------------------------------------------------ event loop
 
@@ -146,9 +274,11 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         try:
             async for frame in upstream:
                 job.feed.put(frame)
+                job.engine._wake.set()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the worker raises it where it waits for input
             job.feed.put(err)
         finally:
             job.feed.put(_END)
+            job.engine._wake.set()

@@ -14,13 +14,26 @@ code2wav, whose diffusion noise continues the same stream, as it does in the who
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import numpy as np
 import torch
-from transformers import Qwen2_5OmniTalkerForConditionalGeneration, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    Qwen2_5OmniTalkerForConditionalGeneration,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from omnimodel_runtime.engines.omni.common import (
     CODES_KIND,
@@ -36,6 +49,8 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
+from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
@@ -46,6 +61,8 @@ from omnimodel_runtime.protocol.stage import (
     TensorFrame,
     Usage,
 )
+
+log = logging.getLogger(__name__)
 
 # The whole model's generate() defaults for its talker (eos/pad come from the talker config).
 TALKER_DEFAULTS: dict[str, Any] = {
@@ -66,6 +83,11 @@ class OmniTalkerEngine(OmniEngine):
         self.model: Any = None
         self._generation: dict[str, Any] = dict(TALKER_DEFAULTS)
         self._eos: list[int] = []
+        self._slots: SlotTable | None = None  # batched serving: the decode slots
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._processors: Any = None
+        self._sample = True
+        self._stream_priority = -1  # ahead of code2wav's DiT passes on a shared GPU
 
     def load_part(self) -> None:
         model_dir = self.context.model_dir
@@ -81,6 +103,8 @@ class OmniTalkerEngine(OmniEngine):
         self._eos = [self.model.codec_pad_token, self.model.codec_eos_token]
         self._generation.update(generation_overrides(model_dir, "talker", self.args))
         self._generation.setdefault("eos_token_id", self._eos)
+        if self.batched:
+            self._load_slots()
 
     async def warmup(self) -> None:
         hidden = int(self.model.config.embedding_size)
@@ -120,8 +144,28 @@ class OmniTalkerEngine(OmniEngine):
         turn = RngTurn(self.device, job.data["seed"])
         if prompt is None or first is None:
             # The thinker stopped after one token: there is no reply to speak (the whole model needs two).
-            self._finish(job, turn, codes=0, prompt_len=0)
+            self._finish(job, turn.state, codes=0, prompt_len=0)
             return
+        call = self._call(job, prompt, first, turn)
+        source = _ReplyRows(_reply_rows(frames, call.rows, call.rest), end=call.end, pad=call.pad)
+
+        def supply(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            if kwargs.get("inputs_embeds") is None:  # a decode step (the prefill takes the prompt rows)
+                kwargs["thinker_reply_part"] = source.next().reshape(1, 1, -1)
+            return args, kwargs
+
+        hook = self.model.register_forward_pre_hook(supply, with_kwargs=True)
+        try:
+            self._generate(call, turn)
+        finally:
+            hook.remove()
+        self._finish(
+            job, turn.state, codes=call.criterion.count, prompt_len=call.prompt_len, reason=call.criterion.reason
+        )
+
+    def _call(self, job: OmniJob, prompt: TensorFrame, first: TensorFrame, turn: RngTurn) -> _Call:
+        """The whole model's talker inputs for ``job``: prompt rows, the speaker's bos row, the first reply
+        row (and the rows the reply continues with)."""
         param_dtype = self.model.dtype
         dtype = str(prompt.meta.get("dtype", "float32"))
 
@@ -134,7 +178,6 @@ class OmniTalkerEngine(OmniEngine):
         speaker_bos = int(prompt.meta["speaker_bos_token"])
         first_token = int(first.tensors["token_ids"][0])
         model = self.model
-        # Exactly the whole model's talker inputs: prompt rows, the speaker's bos row, the first reply row.
         inputs_embeds = torch.cat([prompt_rows, special[:1], reply0[:1]], dim=0).unsqueeze(0)
         input_ids = torch.cat(
             [
@@ -145,13 +188,6 @@ class OmniTalkerEngine(OmniEngine):
         text_ids = torch.cat(
             [prompt_ids, torch.tensor([speaker_bos, first_token], dtype=torch.long, device=self.device)]
         ).unsqueeze(0)
-        source = _ReplyRows(_reply_rows(frames, rows, reply0[1:]), end=special[1:2], pad=special[2:3])
-
-        def supply(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            if kwargs.get("inputs_embeds") is None:  # a decode step (the prefill takes the prompt rows)
-                kwargs["thinker_reply_part"] = source.next().reshape(1, 1, -1)
-            return args, kwargs
-
         generation = dict(self._generation)
         cap = job.request.params.talker_max_new_tokens
         if cap is not None:
@@ -159,34 +195,280 @@ class OmniTalkerEngine(OmniEngine):
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )
-        hooks = [
-            model.register_forward_pre_hook(supply, with_kwargs=True),
-            model.register_forward_hook(lambda *_: turn.begin()),
-        ]
+        return _Call(
+            input_ids=input_ids,
+            text_ids=text_ids,
+            inputs_embeds=inputs_embeds,
+            reply0=reply0,
+            rest=reply0[1:],
+            end=special[1:2],
+            pad=special[2:3],
+            rows=rows,
+            generation=generation,
+            criterion=criterion,
+        )
+
+    def _generate(self, call: _Call, turn: RngTurn, **extra: Any) -> Any:
+        model = self.model
+        hook = model.register_forward_hook(lambda *_: turn.begin())
         try:
-            model.generate(
-                input_ids=input_ids,
-                input_text_ids=text_ids,
+            return model.generate(
+                input_ids=call.input_ids,
+                input_text_ids=call.text_ids,
                 # Replaced step by step by `supply`; generate() only needs the argument to exist.
-                thinker_reply_part=torch.zeros_like(reply0[:1]).unsqueeze(0),
-                inputs_embeds=inputs_embeds,
-                attention_mask=torch.ones((1, n + 2), dtype=torch.long, device=self.device),
+                thinker_reply_part=torch.zeros_like(call.reply0[:1]).unsqueeze(0),
+                inputs_embeds=call.inputs_embeds,
+                attention_mask=torch.ones((1, call.prompt_len), dtype=torch.long, device=self.device),
                 suppress_tokens=[model.codec_bos_token],
                 pad_token_id=model.codec_pad_token,
                 use_audio_in_video=False,
-                stopping_criteria=StoppingCriteriaList([criterion]),
-                **generation,
+                stopping_criteria=StoppingCriteriaList([call.criterion]),
+                **{**call.generation, **extra},
             )
         finally:
-            for hook in hooks:
-                hook.remove()
+            hook.remove()
             turn.end()
-        self._finish(job, turn, codes=criterion.count, prompt_len=n + 2, reason=criterion.reason)
 
-    def _finish(self, job: OmniJob, turn: RngTurn, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
-        state = turn.state.to("cpu").numpy()
-        job.emit(tensor_frame(RNG_KIND, {"rng_state": state}, device=torch.device(self.device).type))
+    def _finish(self, job: OmniJob, state: torch.Tensor, *, codes: int, prompt_len: int, reason: str = "stop") -> None:
+        job.emit(tensor_frame(RNG_KIND, {"rng_state": state.to("cpu").numpy()}, device=torch.device(self.device).type))
         job.emit(FinalFrame(reason, Usage(prompt_tokens=prompt_len, completion_tokens=codes)))
+
+    # ------------------------------------------------------------ batched serving
+
+    def _load_slots(self) -> None:
+        problem = supported(self.model.model)
+        if problem is not None:
+            log.warning("The talker serves one request at a time: %s", problem)
+            self.batched = False
+            return
+        capacity = int(self.args.get("slot_capacity", 8192))
+        decoder = SlotDecoder(
+            self.model.model, self.model.codec_head, slots=self.max_batch, capacity=capacity, graphs=self.graphs
+        )
+        decoder.capture_all()
+        self._slots = SlotTable(decoder)
+        # Each slot's token history (for the repetition penalty), padded with its own first token: a
+        # repeated id changes nothing, so rows of different lengths are penalised as one batch.
+        self._ids = torch.zeros((self.max_batch, decoder.capacity), dtype=torch.long, device=self.device)
+        g = self._generation
+        unknown = set(g) - _BATCHED_KEYS
+        if unknown:
+            log.warning("The batched talker ignores generation parameters %s", sorted(unknown))
+        processors: list[Any] = []
+        if g.get("repetition_penalty") not in (None, 1.0):
+            processors.append(RepetitionPenaltyLogitsProcessor(float(g["repetition_penalty"])))
+        processors.append(SuppressTokensLogitsProcessor([self.model.codec_bos_token], device=self.device))
+        self._sample = bool(g.get("do_sample", False))
+        if self._sample:
+            if g.get("temperature") not in (None, 1.0):
+                processors.append(TemperatureLogitsWarper(float(g["temperature"])))
+            if g.get("top_k"):
+                processors.append(TopKLogitsWarper(int(g["top_k"])))
+            if g.get("top_p") not in (None, 1.0):
+                processors.append(TopPLogitsWarper(float(g["top_p"])))
+        self._processors = LogitsProcessorList(processors)
+
+    def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
+        assert self._slots is not None
+        finished: list[OmniJob] = []
+        moved = False
+        for job in jobs:
+            row = job.state
+            if row is None:
+                row = job.state = _TalkerRow(job=job)
+            try:
+                row.take(job.poll())
+                if row.call is None and row.first is not None and self._slots.free > 0:
+                    moved = True
+                    if self._prefill(row):
+                        finished.append(job)
+                elif row.call is None and row.first is None and row.upstream_done:
+                    # The thinker stopped after one token: nothing to speak.
+                    self._finish(job, RngTurn(self.device, job.data["seed"]).state, codes=0, prompt_len=0)
+                    finished.append(job)
+            except CancelledRequestError:
+                self.release(job)
+                finished.append(job)
+            except Exception as err:  # this request's input or prefill failed, not the batch
+                self.fail(job, err)
+                self.release(job)
+                finished.append(job)
+        rows: list[_TalkerRow] = list(self._slots.holders)
+        if any(r.ready for r in rows):
+            moved = True
+            finished.extend(self._decode(rows))
+        return finished, moved
+
+    def _prefill(self, row: _TalkerRow) -> bool:
+        """The whole model's prefill and first code through ``generate()``, then the cache into a slot."""
+        assert self._slots is not None
+        assert row.prompt is not None
+        assert row.first is not None
+        job = row.job
+        turn = RngTurn(self.device, job.data["seed"])
+        call = self._call(job, row.prompt, row.first, turn)
+        out = self._generate(call, turn, max_new_tokens=1, return_dict_in_generate=True)
+        row.call, row.generator = call, turn.generator()
+        row.rows.extend(call.rest)
+        for frame in row.later:
+            row.rows.extend(call.rows(frame, "rows"))
+        row.later.clear()
+        if call.criterion.done:
+            self._finish(
+                job, turn.state, codes=call.criterion.count, prompt_len=call.prompt_len, reason=call.criterion.reason
+            )
+            return True
+        row.length = call.prompt_len
+        row.last = int(out.sequences[0, -1])
+        deltas = getattr(self.model, "rope_deltas", None)
+        row.delta = int(deltas.reshape(-1)[0]) if isinstance(deltas, torch.Tensor) else 0
+        slot = self._slots.take(row)
+        self._slots.decoder.load(slot, out.past_key_values, row.length)
+        history = out.sequences[0]
+        self._ids[slot].fill_(int(history[0]))
+        self._ids[slot, : history.shape[0]].copy_(history)
+        row.history = int(history.shape[0])
+        return False
+
+    def _decode(self, rows: list[_TalkerRow]) -> list[OmniJob]:
+        """One batched decode step: each row with its next reply row (or the text-end/-pad tail) consumes
+        its last code and samples the next; rows still waiting for the thinker sit this step out."""
+        assert self._slots is not None
+        model = self.model
+        ready = [i for i, r in enumerate(rows) if r.ready]
+        inputs = torch.zeros((len(rows), int(model.config.embedding_size)), dtype=model.dtype, device=self.device)
+        picked = torch.tensor(ready, device=self.device)
+        inputs.index_copy_(0, picked, torch.stack([rows[i].next_row() for i in ready]))
+        codes = torch.tensor([r.last for r in rows], dtype=torch.long, device=self.device)
+        x = model.thinker_to_talker_proj(model.get_input_embeddings()(codes) + inputs)
+        _, logits = self._slots.decoder.step(x, [r.length for r in rows], [r.length + r.delta for r in rows])
+        scores = logits.index_select(0, picked)
+        width = max(rows[i].history for i in ready)
+        scores = self._processors(self._ids.index_select(0, picked)[:, :width], scores)
+        if self._sample:
+            probs = torch.softmax(scores, dim=-1)
+            draws = [torch.multinomial(probs[k : k + 1], 1, generator=rows[i].generator) for k, i in enumerate(ready)]
+            picks: list[int] = torch.cat(draws).reshape(-1).tolist()
+        else:
+            picks = scores.argmax(dim=-1).tolist()
+        self.context.metrics.observe_batch(len(ready))
+        done: list[_TalkerRow] = []
+        capacity = self._slots.decoder.capacity
+        for i, code in zip(ready, picks, strict=True):
+            row = rows[i]
+            assert row.call is not None
+            row.length += 1
+            row.last = code
+            if row.history < capacity:
+                self._ids[i, row.history] = code
+                row.history += 1
+            try:
+                stop = row.call.criterion.take(code)
+            except CancelledRequestError:
+                done.append(row)
+                continue
+            except Exception as err:
+                self.fail(row.job, err)
+                done.append(row)
+                continue
+            if not stop and row.length + 1 >= capacity:
+                row.call.criterion.reason, stop = "length", True
+            if stop:
+                assert row.generator is not None
+                self._finish(
+                    row.job,
+                    row.generator.get_state(),
+                    codes=row.call.criterion.count,
+                    prompt_len=row.call.prompt_len,
+                    reason=row.call.criterion.reason,
+                )
+                done.append(row)
+        for row in done:
+            self.release(row.job)
+        return [row.job for row in done]
+
+    def release(self, job: OmniJob) -> None:
+        row = job.state
+        if self._slots is None or not isinstance(row, _TalkerRow) or row not in self._slots.holders:
+            return
+        last = len(self._slots.holders) - 1
+        moved = self._slots.release(row, lambda r: int(r.length))
+        for slot in moved.values():
+            self._ids[slot].copy_(self._ids[last])
+
+
+@dataclass(eq=False, kw_only=True)
+class _Call:
+    """What ``generate()`` gets for one request, and what its decode steps continue from."""
+
+    input_ids: torch.Tensor
+    text_ids: torch.Tensor
+    inputs_embeds: torch.Tensor
+    reply0: torch.Tensor
+    rest: torch.Tensor  # reply rows that came with the first one
+    end: torch.Tensor  # text-end row
+    pad: torch.Tensor  # text-pad row
+    rows: Any  # frame, name -> rows tensor
+    generation: dict[str, Any]
+    criterion: _Codes
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+# Generation parameters the batched talker applies (others are the one-at-a-time path's only).
+_BATCHED_KEYS: Final = frozenset(
+    {"max_new_tokens", "do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "eos_token_id"}
+)
+
+
+@dataclass(eq=False, kw_only=True)
+class _TalkerRow:
+    """A request of the batched talker: its thinker input so far and, once prefilled, its slot state."""
+
+    job: OmniJob
+    prompt: TensorFrame | None = None
+    first: TensorFrame | None = None
+    later: list[TensorFrame] = field(default_factory=list)  # reply frames that came before the prefill
+    rows: deque[torch.Tensor] = field(default_factory=deque)
+    upstream_done: bool = False
+    tail: int = 0  # tail rows used (text-end, then text-pad)
+    call: _Call | None = None
+    generator: torch.Generator | None = None
+    length: int = 0
+    last: int = 0
+    delta: int = 0
+    history: int = 0
+
+    def take(self, frames: list[ResponseFrame]) -> None:
+        for frame in frames:
+            if isinstance(frame, TensorFrame) and frame.meta.get("kind") == PROMPT_KIND:
+                self.prompt = frame
+            elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == REPLY_KIND:
+                if self.first is None:
+                    self.first = frame
+                elif self.call is None:
+                    self.later.append(frame)
+                else:
+                    self.rows.extend(self.call.rows(frame, "rows"))
+            elif isinstance(frame, FinalFrame):
+                self.upstream_done = True
+        if self.job.ended:
+            self.upstream_done = True
+
+    @property
+    def ready(self) -> bool:
+        """Whether the row for the next step is here (thinker rows, or the tail once the thinker ended)."""
+        return self.call is not None and (bool(self.rows) or self.upstream_done)
+
+    def next_row(self) -> torch.Tensor:
+        """Row t for step t: reply rows, then text-end, then text-pad (as :class:`_ReplyRows`)."""
+        assert self.call is not None
+        if self.rows:
+            return self.rows.popleft()
+        self.tail += 1
+        return self.call.end[0] if self.tail == 1 else self.call.pad[0]
 
 
 def _head(frames: Iterator[ResponseFrame]) -> tuple[TensorFrame | None, TensorFrame | None]:
@@ -245,15 +527,18 @@ class _Codes(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
         self.turn.end()
-        code = int(input_ids[0, -1])
-        metrics = self.engine.context.metrics
-        metrics.observe_batch(1)
+        self.engine.context.metrics.observe_batch(1)
+        self.take(int(input_ids[0, -1]))
+        return torch.full((input_ids.shape[0],), self.done, dtype=torch.bool, device=input_ids.device)
+
+    def take(self, code: int) -> bool:
+        """Stream ``code`` (the one just sampled); whether speech ends here."""
         if code in self.eos:
             self.done, self.reason = True, "stop"
         else:
             self.count += 1
-            metrics.add_generated_tokens(1)
+            self.engine.context.metrics.add_generated_tokens(1)
             self.job.emit(tensor_frame(CODES_KIND, {"codes": np.array([code], dtype=np.int64)}))
             self.done = self.count >= self.limit
             self.job.check()
-        return torch.full((input_ids.shape[0],), self.done, dtype=torch.bool, device=input_ids.device)
+        return self.done

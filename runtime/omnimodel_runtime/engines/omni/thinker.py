@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
 import torch
 from transformers import (
     AutoTokenizer,
@@ -36,6 +38,8 @@ from transformers import (
     Qwen2_5OmniThinkerForConditionalGeneration,
     StoppingCriteria,
     StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from omnimodel_runtime.engines.omni.common import (
@@ -51,6 +55,7 @@ from omnimodel_runtime.engines.omni.common import (
     voice_param,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
@@ -59,6 +64,7 @@ from omnimodel_runtime.engines.text.common import (
     render_prompt,
     resolve_sampling,
 )
+from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.stage import (
@@ -137,6 +143,8 @@ class OmniThinkerEngine(OmniEngine):
         self._vocab = 0
         # Token ids of the speech prompt before and after the input text (None: the template cannot).
         self._speech_frame: tuple[list[int], list[int]] | None = None
+        self._slots: SlotTable | None = None  # batched serving: the decode slots
+        self._stream_priority = -1  # ahead of code2wav's DiT passes on a shared GPU
 
     @property
     def max_model_len(self) -> int | None:
@@ -174,6 +182,22 @@ class OmniThinkerEngine(OmniEngine):
             str(self.args.get("speech_system_prompt", SPEECH_SYSTEM_PROMPT)),
             str(self.args.get("speech_instruction", SPEECH_INSTRUCTION)),
         )
+        if self.batched:
+            self._load_slots()
+
+    def _load_slots(self) -> None:
+        problem = supported(self.model.model)
+        if problem is not None:
+            log.warning("The thinker serves one request at a time: %s", problem)
+            self.batched = False
+            return
+        # Every request must fit a slot: the context limit becomes the slot capacity.
+        self._max_model_len = min(self._max_model_len, int(self.args.get("slot_capacity", 4096)))
+        decoder = SlotDecoder(
+            self.model.model, self.model.lm_head, slots=self.max_batch, capacity=self._max_model_len, graphs=self.graphs
+        )
+        decoder.capture_all()
+        self._slots = SlotTable(decoder)
 
     def _render_speech_frame(self, system: str, instruction: str) -> tuple[list[int], list[int]] | None:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": instruction + _TEXT_MARK}]
@@ -257,7 +281,9 @@ class OmniThinkerEngine(OmniEngine):
             voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
             job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
 
-    def run(self, job: OmniJob) -> None:
+    def _generate(self, job: OmniJob, *, max_new_tokens: int | None = None) -> tuple[Any, _Stream, RngTurn | None]:
+        """``generate()`` for ``job`` with its hooks (``max_new_tokens``: stop after that many tokens, for
+        the batched path's prefill); returns its output, the stream criterion and the request's turn."""
         prompt_ids: list[int] = job.data["prompt_ids"]
         sampling: ResolvedSampling = job.data["sampling"]
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
@@ -271,16 +297,19 @@ class OmniThinkerEngine(OmniEngine):
             hooks.append(self.text_model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
-        kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": not sampling.greedy}
+        limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
+        kwargs: dict[str, Any] = {"max_new_tokens": limit, "do_sample": not sampling.greedy}
+        if max_new_tokens is not None:
+            kwargs["return_dict_in_generate"] = True
         if not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
         if sampling.ignore_eos:
-            kwargs["min_new_tokens"] = sampling.max_tokens
+            kwargs["min_new_tokens"] = limit
         reply: list[int] | None = job.data["reply"]
         if reply is not None:
             kwargs["logits_processor"] = LogitsProcessorList([_Force(reply, len(prompt_ids))])
         try:
-            self.model.generate(
+            out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 # The whole model passes this to every part; it only matters for video input.
@@ -293,6 +322,15 @@ class OmniThinkerEngine(OmniEngine):
                 hook.remove()
             if turn is not None:
                 turn.end()
+        return out, criterion, turn
+
+    def run(self, job: OmniJob) -> None:
+        _, criterion, _ = self._generate(job)
+        self._finish(job, criterion)
+
+    def _finish(self, job: OmniJob, criterion: _Stream) -> None:
+        prompt_ids: list[int] = job.data["prompt_ids"]
+        reply: list[int] | None = job.data["reply"]
         if reply is not None:
             usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(reply))
             job.emit(FinalFrame("stop", usage))
@@ -301,6 +339,123 @@ class OmniThinkerEngine(OmniEngine):
             job.emit(TextFrame(text=criterion.detok.text, token_ids=tuple(criterion.tokens)))
         reason = criterion.reason or "length"
         job.emit(FinalFrame(reason, Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(criterion.tokens))))
+
+    # ------------------------------------------------------------ batched serving
+
+    def _prefill(self, job: OmniJob) -> bool:
+        """Batched path: the prompt through ``generate()`` (one token; the prompt rows and the first text
+        delta go out as in the one-at-a-time path), then its cache into a slot. True when it finished."""
+        assert self._slots is not None
+        out, criterion, turn = self._generate(job, max_new_tokens=1)
+        if criterion.reason is not None:
+            self._finish(job, criterion)
+            return True
+        length = len(job.data["prompt_ids"])
+        row = _ThinkerRow(
+            job=job,
+            stream=criterion,
+            length=length,
+            last=criterion.tokens[-1],
+            generator=turn.generator() if turn is not None else None,
+        )
+        slot = self._slots.take(row)
+        self._slots.decoder.load(slot, out.past_key_values, length)
+        job.state = row
+        return False
+
+    def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
+        assert self._slots is not None
+        finished: list[OmniJob] = []
+        moved = False
+        for job in jobs:
+            if job.state is not None or self._slots.free <= 0:
+                continue
+            moved = True
+            try:
+                if self._prefill(job):
+                    finished.append(job)
+            except CancelledRequestError:
+                finished.append(job)
+            except Exception as err:  # this request's prefill failed, not the batch
+                self.fail(job, err)
+                finished.append(job)
+        rows: list[_ThinkerRow] = list(self._slots.holders)
+        if rows:
+            moved = True
+            finished.extend(self._decode(rows))
+        return finished, moved
+
+    def _decode(self, rows: list[_ThinkerRow]) -> list[OmniJob]:
+        """One batched decode step of every row: each consumes its last token (its talker row goes out),
+        then picks the next one."""
+        assert self._slots is not None
+        tokens = torch.tensor([r.last for r in rows], dtype=torch.long, device=self.device)
+        embeds = self.model.get_input_embeddings()(tokens)
+        hidden, logits = self._slots.decoder.step(embeds, [r.length for r in rows])
+        audio = [i for i, r in enumerate(rows) if r.job.data["audio"]]
+        wire: dict[int, Any] = {}
+        if audio:
+            picked = torch.tensor(audio, device=self.device)
+            arr, dtype = rows_to_wire(hidden.index_select(0, picked) + embeds.index_select(0, picked))
+            wire = {i: (arr[k : k + 1], dtype) for k, i in enumerate(audio)}
+        self.context.metrics.observe_batch(len(rows))
+        picks = self._pick(rows, logits)
+        done: list[_ThinkerRow] = []
+        for i, (row, token) in enumerate(zip(rows, picks, strict=True)):
+            row.length += 1
+            job = row.job
+            if i in wire:
+                arr, dtype = wire[i]
+                job.emit(tensor_frame(REPLY_KIND, {"rows": arr, "token_ids": np.array([row.last])}, dtype=dtype))
+            try:
+                stop = row.stream.take(token)
+            except CancelledRequestError:
+                done.append(row)
+                continue
+            except Exception as err:
+                self.fail(job, err)
+                done.append(row)
+                continue
+            row.last = token
+            if stop:
+                self._finish(job, row.stream)
+                done.append(row)
+        for row in done:
+            self.release(row.job)
+        return [row.job for row in done]
+
+    def _pick(self, rows: list[_ThinkerRow], logits: torch.Tensor) -> list[int]:
+        """Each row's next token, as ``generate()`` picks it: greedy, forced (speech), or sampled with the
+        request's temperature and top-p from its own random stream; ``ignore_eos`` rows never pick an
+        end-of-sequence token (``min_new_tokens`` in ``generate()``)."""
+        eos = sorted(self._defaults.eos_token_ids)
+        for i, row in enumerate(rows):
+            if row.stream.sampling.ignore_eos and eos:
+                logits[i, eos] = float("-inf")
+        greedy: list[int] = logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for i, row in enumerate(rows):
+            reply, sampling = row.stream.reply, row.stream.sampling
+            if reply is not None:
+                step = len(row.stream.tokens)
+                out.append(reply[step] if step < len(reply) else greedy[i])
+            elif sampling.greedy or row.generator is None:
+                out.append(greedy[i])
+            else:
+                # In float64 and shifted so the best token scores 0: the smallest temperature the API
+                # accepts (down to 5e-324, which float32 rounds to 0) then gives the others -inf, not nan.
+                scores = logits[i : i + 1].double()
+                scores = TemperatureLogitsWarper(sampling.temperature)(None, scores - scores.max())
+                if sampling.top_p < 1.0:
+                    scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+                probs = torch.softmax(scores, dim=-1)
+                out.append(int(torch.multinomial(probs, 1, generator=row.generator).item()))
+        return out
+
+    def release(self, job: OmniJob) -> None:
+        row = job.state
+        if self._slots is not None and isinstance(row, _ThinkerRow) and row in self._slots.holders:
+            self._slots.release(row, lambda r: int(r.length))
 
     # ------------------------------------------------------------ rows for the talker
 
@@ -343,12 +498,16 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
         if self.turn is not None:
             self.turn.end()
-        token = int(input_ids[0, -1])
+        self.engine.context.metrics.observe_batch(1)
+        stop = self.take(int(input_ids[0, -1]))
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    def take(self, token: int) -> bool:
+        """Stream ``token`` (the one just picked); whether the request stops here."""
         self.tokens.append(token)
         metrics = self.engine.context.metrics
-        metrics.observe_batch(1)
         if self.reply is not None:
-            return self._forced(input_ids)
+            return self._forced()
         metrics.add_generated_tokens(1)
         if not self.sampling.ignore_eos and token in self.engine._defaults.eos_token_ids:
             self.reason, text = "stop", self.detok.flush()
@@ -363,9 +522,9 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
             self.job.emit(TextFrame(text=text, token_ids=(token,)))
         if self.reason is None:
             self.job.check()
-        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
+        return self.reason is not None
 
-    def _forced(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forced(self) -> bool:
         """A forced reply: no text for anyone; stop once the step that consumes its last token has run,
         i.e. when the token after it (whatever it is, it is never used) has been picked."""
         assert self.reply is not None
@@ -374,7 +533,19 @@ class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untype
             self.job.check()
         else:
             self.reason = "stop"
-        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
+        return self.reason is not None
+
+
+@dataclass(eq=False)
+class _ThinkerRow:
+    """A request of the batched thinker, holding a cache slot: ``length`` positions cached, ``last`` the
+    token its next step consumes."""
+
+    job: OmniJob
+    stream: _Stream
+    length: int
+    last: int
+    generator: torch.Generator | None
 
 
 class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped here

@@ -17,6 +17,12 @@ per-row positions. Every iteration it
 
 So requests join and leave between steps: a long generation does not hold back a short one that
 arrives later, and N concurrent requests cost roughly one forward pass per step instead of N.
+
+``engine_args.decode: static`` (the default on CUDA) keeps the same loop on a static cache instead: each
+request's prompt is prefilled by the model as usual (new requests together, left-padded), its cache is
+copied into a slot of :class:`~omnimodel_runtime.engines.slots.SlotDecoder`, and every decode step runs
+over the slots as one captured CUDA graph (captured at start for every batch and length bucket), so a
+step costs one launch instead of ~10 µs per eager op. ``dynamic`` (the default elsewhere) is the loop above.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.compat import cache_kwargs
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
@@ -67,6 +74,7 @@ class _Seq(Job):
     generated: int = 0
     last_token: int = 0
     tokens: list[int] = field(default_factory=list)
+    length: int = 0  # static decode: positions in the request's slot
 
 
 @dataclass
@@ -88,6 +96,13 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
         self._max_batch = int(args.get("max_batch_size", context.settings.max_batch_size))
         self._batch_wait = float(args.get("batch_wait", context.settings.batch_wait))
         self._max_model_len_arg = args.get("max_model_len")
+        decode = str(args.get("decode", "static" if torch.device(self._device).type == "cuda" else "dynamic"))
+        if decode not in ("static", "dynamic"):
+            raise ValueError(f"engine_args.decode must be static or dynamic, not {decode!r}")
+        self._static = decode == "static"
+        self._graphs = str(args.get("cuda_graphs", True)).lower() not in ("0", "false", "no", "off")
+        self._capacity = int(args.get("slot_capacity", 4096))
+        self._slots: SlotTable | None = None
         self._model: Any = None
         # Two instances of the same tokenizer: the event loop renders prompts while the worker
         # detokenizes, and a Rust tokenizer shared across threads can fail with "Already borrowed".
@@ -158,9 +173,35 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
         if pad is None:
             pad = next(iter(self._defaults.eos_token_ids), 0)
         self._pad_id = int(pad)
-        log.info("Loaded %s on %s (%s) for stage %s", model_dir, self._device, self._dtype, self.stage.name)
+        if self._static:
+            problem = supported(getattr(self._model, "model", None))
+            if problem is not None:
+                log.warning("Decoding with a dynamic cache: %s", problem)
+                self._static = False
+        if self._static:
+            self._max_model_len = min(self._max_model_len, self._capacity)
+            decoder = SlotDecoder(
+                self._model.model,
+                self._model.lm_head,
+                slots=self._max_batch,
+                capacity=self._max_model_len,
+                graphs=self._graphs,
+            )
+            decoder.capture_all()
+            self._slots = SlotTable(decoder)
+        log.info(
+            "Loaded %s on %s (%s) for stage %s, %s decode",
+            model_dir,
+            self._device,
+            self._dtype,
+            self.stage.name,
+            "static" if self._static else "dynamic",
+        )
 
     def serve(self) -> None:
+        if self._static:
+            self._serve_static()
+            return
         batch: _Batch | None = None
         while True:
             self.flush()
@@ -183,6 +224,83 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
                     for seq in running:
                         self.fail(seq, err)
                     batch = None
+
+    # ------------------------------------------------------------------ static decode
+
+    def _serve_static(self) -> None:
+        assert self._slots is not None
+        slots = self._slots
+        while True:
+            self.flush()
+            idle = not slots.holders
+            new = self.gather(slots.free, block=idle, wait=self._batch_wait if idle else 0.0)
+            if self.stopping:
+                for seq in [*new, *slots.holders]:
+                    self.refuse(seq)
+                return
+            new = [s for s in new if not s.cancelled]
+            try:
+                if new:
+                    self._prefill_static(new)
+                gone = [s for s in slots.holders if s.cancelled or self.drop_if_expired(s)]
+                for seq in gone:
+                    slots.release(seq, _length)
+                if slots.holders:
+                    self._decode_static(list(slots.holders))
+            except Exception as err:  # a failed forward pass fails its batch, not the engine
+                for seq in [*new, *slots.holders]:
+                    self.fail(seq, err)
+                while slots.holders:
+                    slots.release(slots.holders[-1], _length)
+
+    def _prefill_static(self, new: list[_Seq]) -> None:
+        """The new prompts together (left-padded), each one's cache (padding stripped) into its slot."""
+        assert self._slots is not None
+        width = max(len(s.prompt_ids) for s in new)
+        ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), width), dtype=torch.long)
+        for i, seq in enumerate(new):
+            n = len(seq.prompt_ids)
+            ids[i, width - n :] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+            mask[i, width - n :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self._model(
+            input_ids=ids.to(self._device),
+            attention_mask=mask.to(self._device) if len(new) > 1 else None,
+            position_ids=positions.to(self._device),
+            **cache_kwargs(self._model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.context.metrics.observe_batch(len(new))
+        tokens = self._sample(out.logits[:, -1, :], new)
+        finished = set(self._advance(new, tokens))
+        layers = _layers(cache)
+        for i, seq in enumerate(new):
+            if i in finished:
+                continue
+            n = len(seq.prompt_ids)
+            slot = self._slots.take(seq)
+            decoder = self._slots.decoder
+            for li, (k, v) in enumerate(layers):
+                decoder.keys[li][slot, :, :n].copy_(k[i, :, width - n :])
+                decoder.values[li][slot, :, :n].copy_(v[i, :, width - n :])
+            seq.length = n
+
+    def _decode_static(self, rows: list[_Seq]) -> None:
+        assert self._slots is not None
+        ids = torch.tensor([s.last_token for s in rows], dtype=torch.long, device=self._device)
+        embeds = self._model.get_input_embeddings()(ids)
+        _, logits = self._slots.decoder.step(embeds, [s.length for s in rows])
+        self.context.metrics.observe_batch(len(rows))
+        for seq in rows:
+            seq.length += 1
+        tokens = self._sample(logits, rows)
+        for i in self._advance(rows, tokens):
+            self._slots.release(rows[i], _length)
+
+    # ------------------------------------------------------------------ dynamic decode
 
     def _admit(self, new: list[_Seq], batch: _Batch | None) -> _Batch | None:
         """Prefill ``new`` into the running batch. The running rows are untouched until a prefill has
@@ -258,7 +376,11 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             if s.greedy:
                 tokens.append(int(greedy[i]))
                 continue
-            scores = logits[i].float() / s.temperature
+            # In float64 and shifted so the best token scores 0 before the division: the smallest
+            # temperature the API accepts (any float > 0, down to 5e-324, which float32 rounds to 0) then
+            # gives the others -inf instead of 0/0 = nan.
+            row = logits[i].double()
+            scores = (row - row.max()) / s.temperature
             if s.top_p < 1.0:
                 sorted_scores, order = torch.sort(scores, descending=True)
                 probs = torch.softmax(sorted_scores, dim=-1)
@@ -266,7 +388,8 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
                 drop = (torch.cumsum(probs, dim=-1) - probs) > s.top_p
                 sorted_scores[drop] = float("-inf")
                 scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-            probs = torch.softmax(scores, dim=-1)
+            # The request's generator lives on the CPU: the same seed draws the same tokens on any device.
+            probs = torch.softmax(scores, dim=-1).to("cpu")
             tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
         return tokens
 
@@ -324,6 +447,10 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             batch.mask = batch.mask[:, first:]
             batch.cache = _rebuild(batch.cache, lambda t: t[:, :, first:, :])
         return batch
+
+
+def _length(seq: _Seq) -> int:
+    return seq.length
 
 
 def _merge(running: _Batch, fresh: _Batch) -> _Batch:

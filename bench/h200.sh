@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
+# transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
+#   bash bench/h200.sh omni text t2i      (each section builds its random-weight model into /dev/shm first)
+# Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site dist/whl/*.whl || exit 1
+export PYTHONPATH=$PWD/operator:$PWD/runtime:$PWD/e2e:/tmp/site PYTHONUNBUFFERED=1
+export OMNIMODEL_BENCH_LOGS=/tmp/h200-logs
+om() { python3 -m omnimodel_runtime "$@"; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+status=0
+for section in "$@"; do
+  started=$(date +%s)
+  case $section in
+    omni)
+      [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
+      om bench --preset qwen2.5-omni --model file:///dev/shm/omni7b --mode omni --max-tokens 48 --rounds 1 \
+        --omni-prompts 2 --omni-concurrency 1,4 --omni-requests 4 --hf-baseline 1 --start-timeout 600 \
+        --out "$OUT/omni-qwen2.5-omni-7b-h200.json" >/dev/null || status=1
+      ;;
+    text)
+      [ -d /dev/shm/q7b ] || { time om make-tiny --preset text --size qwen2.5-7b --device cuda --out /dev/shm/q7b || exit 1; }
+      om bench --model file:///dev/shm/q7b --engine transformers --concurrency 8 --requests 32 --max-tokens 128 \
+        --rounds 1 --start-timeout 600 --out "$OUT/text-transformers-qwen2.5-7b-h200.json" >/dev/null || status=1
+      ;;
+    t2i)
+      [ -d /dev/shm/qwen-image ] || { time om make-tiny --preset text-to-image --size qwen-image --device cuda --out /dev/shm/qwen-image || exit 1; }
+      python3 bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --runs 3 \
+        --variants "${T2I_VARIANTS:-eager,taylorseer,regional}" --out "$OUT/t2i-qwen-image-speed-h200.json" || status=1
+      ;;
+    *) echo "unknown section $section"; exit 2 ;;
+  esac
+  echo "== $section took $(( $(date +%s) - started )) s"
+done
+tar -C /tmp -czf "$OUT/logs.tar.gz" h200-logs 2>/dev/null || true
+for f in "$OUT"/*.json; do
+  [ -f "$f" ] || continue
+  python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))["results"]
+print("==", sys.argv[1], "errors:", d.get("errors"))
+def walk(x, path=""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            walk(v, f"{path}.{k}" if path else k)
+    elif any(t in path for t in ("ttfa_p50", "ttfa_max", "rtf_p50", "text_tok_s", "tokens_per_s", "latency_p50", "ratio", "pixel")):
+        print(f"  {path} = {x}")
+walk(d)
+PY
+done
+exit $status

@@ -1,0 +1,204 @@
+"""Running the autoscaler: every ``OMNIMODEL_AUTOSCALE_INTERVAL`` seconds, for each OmniModel with a
+stage on ``provider: operator``, read the signals, decide, and set replicas through the Deployment's
+scale subresource (its own field manager, so the operator's server-side apply, which leaves
+``replicas`` out for these stages, never fights it). A decision that changes replicas posts an Event
+and queues the OmniModel so its status shows it. Stages without ``autoscaling`` are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import httpx
+
+from omnimodel_operator import constants as C
+from omnimodel_operator import naming
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, Autoscaling
+from omnimodel_operator.autoscaler.decide import Decision, StageHistory, StageSignal, decide
+from omnimodel_operator.autoscaler.signals import Readings, read
+from omnimodel_operator.kube import ApiError, KubeClient, Manifest
+from omnimodel_operator.reconcile import Observed, event, utc_now
+from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
+from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.vllm_omni.plan import VllmPlan
+from omnimodel_runtime.pipeline import StageKind
+
+Key = tuple[str, str]
+FIELD_MANAGER: Final = "omnimodel-autoscaler"
+log = logging.getLogger("omnimodel_operator")
+
+
+class Source(Protocol):
+    """What the autoscaler reads: the controller's cache."""
+
+    def omnimodel(self, namespace: str, name: str) -> Manifest | None: ...
+
+    def observed(self, namespace: str, name: str) -> Observed: ...
+
+    def omnimodel_keys(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """One autoscaled stage's target: its Deployment and how its signal is read."""
+
+    stage: str
+    deployment: str
+    spec: Autoscaling
+    metric: str
+    target: float
+
+
+def scaled_stages(plan: Plan | VllmPlan) -> list[Scaled]:
+    """Stages the operator scales, with the metric and target each uses (defaults per stage kind)."""
+    out = []
+    for sp in plan.stages:
+        auto = sp.spec.autoscaling if sp.spec is not None else None
+        if auto is None or auto.provider != "operator":
+            continue
+        if isinstance(plan, VllmPlan):
+            from omnimodel_operator.builders.vllm_omni import replica_deployment_name  # noqa: PLC0415
+
+            metric = auto.metric or "queueDepth"
+            deployment = replica_deployment_name(plan, sp)  # type: ignore[arg-type]
+        else:
+            kind = plan.pipeline.stage(sp.name).kind
+            metric = auto.metric or ("pendingSeconds" if kind is StageKind.DIFFUSION else "inFlight")
+            deployment = naming.stage_name(plan.name, sp.name)
+        out.append(Scaled(sp.name, deployment, auto, metric, auto.target_for(metric)))
+    return out
+
+
+def signal_of(scaled: Scaled, readings: Readings) -> StageSignal:
+    waiting = int(readings.waiting.get(scaled.stage, 0))
+    if scaled.metric == "queueDepth":
+        return StageSignal(readings.queue.get(scaled.stage, 0.0), waiting)
+    in_flight = readings.in_flight.get(scaled.stage, 0.0)
+    if scaled.metric == "pendingSeconds":
+        # Work waiting, in seconds: what is in flight times what one request takes there (1 s until
+        # the gateway has timed one).
+        return StageSignal(in_flight * (readings.mean_seconds(scaled.stage) or 1.0), waiting)
+    return StageSignal(in_flight, waiting)
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        client: KubeClient,
+        source: Source,
+        settings: OperatorSettings,
+        *,
+        on_decision: Callable[[Key], None] = lambda key: None,
+        clock: Callable[[], float] = time.monotonic,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.client = client
+        self.source = source
+        self.settings = settings
+        self.on_decision = on_decision
+        self.clock = clock
+        self.http = http or httpx.AsyncClient(timeout=settings.autoscale_scrape_timeout)
+        self._histories: dict[tuple[Key, str], StageHistory] = {}
+        self._status: dict[Key, dict[str, AutoscalerStatus]] = {}
+
+    def status_of(self, key: Key) -> Mapping[str, AutoscalerStatus]:
+        """The last decision per autoscaled stage, for the OmniModel's status."""
+        return self._status.get(key, {})
+
+    async def run(self) -> None:
+        while True:
+            # Pacing, not synchronisation: one round of decisions per interval.
+            await asyncio.sleep(self.settings.autoscale_interval)
+            await self.once()
+
+    async def once(self) -> None:
+        keys = list(self.source.omnimodel_keys())
+        await asyncio.gather(*(self._one(key) for key in keys))
+
+    async def _one(self, key: Key) -> None:
+        try:
+            await self.scale(key)
+        except Exception:
+            log.exception(f"Autoscaling OmniModel {key[0]}/{key[1]} failed")
+
+    async def scale(self, key: Key) -> list[Decision]:
+        namespace, name = key
+        body = self.source.omnimodel(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self._status.pop(key, None)
+            return []
+        try:
+            plan = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
+        except InvalidSpec:
+            return []
+        stages = scaled_stages(plan)
+        if not stages:
+            self._status.pop(key, None)
+            return []
+        observed = self.source.observed(namespace, name)
+        queue_stages = [s.stage for s in stages if s.metric == "queueDepth"] if isinstance(plan, Plan) else []
+        stage_ids = {str(s.stage.id): s.name for s in plan.stages} if isinstance(plan, VllmPlan) else None
+        readings = await read(
+            self.http, observed.pods, gateway_port=C.GATEWAY_PORT, stage_port=C.STAGE_PORT,
+            stage_ids=stage_ids, scrape_stages=queue_stages,
+        )  # fmt: skip
+        current: dict[str, int] = {}
+        for s in stages:
+            deployment = observed.objects.get(("Deployment", s.deployment))
+            if deployment is None:
+                return []  # not created yet: nothing to scale
+            current[s.stage] = int((deployment.get("spec") or {}).get("replicas", 1))
+        now = self.clock()
+        histories = {
+            s.stage: self._histories.setdefault((key, s.stage), StageHistory(last_load_at=now)) for s in stages
+        }
+        signals = {s.stage: signal_of(s, readings) for s in stages}
+        decisions = decide([(s.stage, s.spec, s.target) for s in stages], signals, current, histories, now)
+        if readings.errors:
+            # Never drop capacity on missing data: a gateway that did not answer may be the loaded one.
+            decisions = [d if d.desired >= d.current else Decision(d.stage, d.current, d.current, d.signal,
+                         d.reason + f"; not scaling down: {len(readings.errors)} pod(s) did not report")
+                         for d in decisions]  # fmt: skip
+        by_stage = {s.stage: s for s in stages}
+        changed = False
+        statuses = dict(self._status.get(key, {}))
+        for d in decisions:
+            s = by_stage[d.stage]
+            previous = statuses.get(d.stage)
+            scaled_at = previous.last_scale_time if previous is not None else None
+            if d.changes:
+                try:
+                    await self.client.scale("apps/v1", "Deployment", namespace, s.deployment, d.desired, FIELD_MANAGER)
+                except ApiError as err:
+                    log.warning(f"Scaling Deployment {namespace}/{s.deployment} to {d.desired} failed: {err}")
+                    continue
+                scaled_at = utc_now()
+                changed = True
+                log.info(f"Scaled Deployment {namespace}/{s.deployment} from {d.current} to {d.desired}: {d.reason}")
+                await self._event(body, d, s)
+            statuses[d.stage] = AutoscalerStatus(
+                kind="OmniModelAutoscaler", name=s.deployment, current_replicas=d.current,
+                desired_replicas=d.desired, metric=s.metric, signal=round(d.signal, 3), target=s.target,
+                reason=d.reason, last_scale_time=scaled_at,
+            )  # fmt: skip
+        if statuses != self._status.get(key):
+            self._status[key] = statuses
+            changed = True
+        if changed:
+            self.on_decision(key)
+        return decisions
+
+    async def _event(self, body: Mapping[str, Any], d: Decision, s: Scaled) -> None:
+        message = f"stage {d.stage}: {d.current} -> {d.desired} replicas ({d.reason})"
+        try:
+            await self.client.create(event(body, "Normal", "Scaled", message, utc_now()))
+        except ApiError as err:
+            log.debug(f"Event for {s.deployment} not posted: {err}")
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

@@ -1,0 +1,63 @@
+"""Shape bookkeeping of batched decoding: step buckets, slot compaction, code2wav's chunk geometry."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from omnimodel_runtime.engines.omni.code2wav import ChunkPlan
+from omnimodel_runtime.engines.slots import SlotTable, bucket, buckets
+
+
+def test_buckets_double_up_to_the_limit() -> None:
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(4096, 256) == [256, 512, 1024, 2048, 4096]
+    assert bucket(3, [1, 2, 4, 8]) == 4
+    assert bucket(8, [1, 2, 4, 8]) == 8
+    with pytest.raises(ValueError, match="exceeds"):
+        bucket(9, [1, 2, 4, 8])
+
+
+class _Decoder:
+    slots = 4
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[int, int, int]] = []
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.moves.append((src, dst, length))
+
+
+class _Row:
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def test_a_leaving_request_s_slot_is_filled_by_the_last_one() -> None:
+    decoder = _Decoder()
+    table = SlotTable(decoder)  # type: ignore[arg-type]
+    rows: list[Any] = [_Row(10), _Row(20), _Row(30)]
+    assert [table.take(r) for r in rows] == [0, 1, 2]
+    assert table.free == 1
+    moved = table.release(rows[0], lambda r: int(r.length))
+    # c (slot 2, 30 positions) moves into slot 0; the held slots stay 0..n-1.
+    assert decoder.moves == [(2, 0, 30)]
+    assert moved == {rows[2]: 0}
+    assert table.holders == [rows[2], rows[1]]
+    assert table.release(rows[1], lambda r: int(r.length)) == {}  # the last one leaves: nothing moves
+    assert table.holders == [rows[2]]
+
+
+def test_chunk_geometry_of_the_released_dit() -> None:
+    dit = SimpleNamespace(block_size=24, repeats=2)  # 12 codes a block
+    plan = ChunkPlan.from_args(dit, {})
+    assert (plan.block, plan.first, plan.chunk, plan.left, plan.lookahead) == (12, 24, 24, 24, 12)
+    assert plan.sizes == (24, 48, 96)  # a stream that is behind doubles its chunk up to 8 blocks
+    # First window, second (left context = the first chunk), steady ones.
+    assert plan.windows() == {36, 60, 84, 132}
+    small = ChunkPlan.from_args(dit, {"max_chunk_blocks": 2, "first_chunk_blocks": 1})
+    assert small.sizes == (24,)
+    assert small.windows() == {24, 48, 60}

@@ -1,0 +1,49 @@
+"""Waiting on the command that runs in the test bed's network namespace: signals reach it, and it is
+never killed before it has cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import omnimodel_testbed
+
+# This checkout's test bed, whatever the working directory of the wrapper.
+E2E = str(Path(omnimodel_testbed.__file__).resolve().parents[1])
+
+WRAPPER = """
+import os, signal, sys
+from omnimodel_testbed.netns import run_passing_signals
+child = ["sh", "-c", 'trap "echo INT >> got; sleep 1; echo cleaned >> got; exit 7" INT; echo > ready; '
+         'while :; do sleep 0.05; done']
+sys.exit(run_passing_signals(child, os.environ, {signal.SIGINT: None, signal.SIGTERM: signal.SIGINT}))
+"""
+
+
+def wait_for(path: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": E2E}
+    parent = subprocess.Popen([sys.executable, "-c", WRAPPER], cwd=tmp_path, env=env)
+    try:
+        wait_for(tmp_path / "ready")
+        # A SIGINT for the parent alone is not passed on: at a terminal the child gets its own.
+        parent.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert parent.poll() is None
+        assert not (tmp_path / "got").exists()
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=20) == 7  # the child's status, after its whole cleanup
+        assert (tmp_path / "got").read_text().split() == ["INT", "cleaned"]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
