@@ -311,3 +311,16 @@ async def test_hostnames_expand_to_one_endpoint_per_address_and_keep_their_state
     kept.in_flight = 3
     await remote.resolve_endpoints()
     assert next(e for e in remote.endpoints if e.url == "http://127.0.0.1:8123") is kept
+
+
+def test_per_stage_timeouts_override_the_process_wide_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIMODEL_STAGE_TIMEOUTS", '{"denoise": {"read": 900}, "talker": {"health": 3}}')
+    monkeypatch.setenv("OMNIMODEL_HEALTH_TIMEOUT", "0.5")
+    settings = RuntimeSettings()
+    denoise, talker, other = (settings.timeouts_for(s) for s in ("denoise", "talker", "llm"))
+    assert (denoise.read, denoise.health, denoise.connect) == (900, 0.5, 3.0)
+    assert (talker.read, talker.health) == (120.0, 3)
+    assert (other.read, other.health) == (120.0, 0.5)
+    monkeypatch.setenv("OMNIMODEL_STAGE_TIMEOUTS", '{"talker": {"helth": 3}}')
+    with pytest.raises(ValueError, match="helth"):
+        RuntimeSettings()

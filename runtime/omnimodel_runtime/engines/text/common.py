@@ -71,8 +71,23 @@ class ResolvedSampling:
         return self.temperature == 0.0
 
 
-def render_prompt(tokenizer: Tokenizer, request: StageRequest) -> list[int]:
-    """The prompt token ids of a text-generation request.
+def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str = "prompt") -> None:
+    """A 400 naming ``param`` unless every id indexes the model's vocabulary (``0 <= id < vocab_size``).
+
+    Checked on the event loop before a request joins a batch: an id outside the embedding table fails the
+    forward pass it is in ("index out of range in self"), and with it every other row of that step.
+    """
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise StageError(
+            f"token id {bad} is out of vocabulary (this model's token ids are 0 to {vocab_size - 1})",
+            status=400,
+            param=param,
+        )
+
+
+def render_prompt(tokenizer: Tokenizer, request: StageRequest, *, vocab_size: int) -> list[int]:
+    """The prompt token ids of a text-generation request, each checked against ``vocab_size``.
 
     Chat messages go through the tokenizer's chat template with the generation prompt appended and are
     then tokenized without adding special tokens (the template already has them), as vLLM's server does.
@@ -96,6 +111,7 @@ def render_prompt(tokenizer: Tokenizer, request: StageRequest) -> list[int]:
         ids = tokenizer.encode(request.prompt or "")
     if not ids:
         raise StageError("the prompt is empty", status=400, param="prompt")
+    check_token_ids(ids, vocab_size)
     return ids
 
 
