@@ -79,6 +79,11 @@ class RuntimeSettings(BaseSettings):
     # Per-stage overrides of the three stage timeouts, by stage name, e.g.
     # OMNIMODEL_STAGE_TIMEOUTS='{"denoise": {"read": 900}, "talker": {"health": 3}}'.
     stage_timeouts: dict[str, StageTimeouts] = Field(default_factory=dict)
+    # Stages that may have no replica at all (scaled to zero by the operator's autoscaler), by name, with
+    # how long a request for one is held while it wakes (seconds), e.g. OMNIMODEL_STAGE_WAKE='{"talker": 300}'.
+    # Such a stage does not make /health 503; its held requests are what the autoscaler sees as
+    # omnimodel_gateway_stage_waiting. Any other stage without a healthy endpoint fails requests at once.
+    stage_wake: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     # Re-resolve stage hostnames (headless Services) to per-pod endpoints on every health poll.
     resolve_endpoints: bool = True
     # How long SIGTERM waits for in-flight requests before the process exits anyway (pods get 60 s).

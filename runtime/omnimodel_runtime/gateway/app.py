@@ -21,7 +21,7 @@ from omnimodel_runtime.api import chat, completions, images, models, speech
 from omnimodel_runtime.api.errors import body_too_large, install_error_handlers
 from omnimodel_runtime.api.openapi import errors, install_openapi, ok, probe
 from omnimodel_runtime.api.state import APIState
-from omnimodel_runtime.metrics import GatewayMetrics
+from omnimodel_runtime.metrics import GatewayMetrics, StageTraffic
 from omnimodel_runtime.pipeline import Pipeline, Route
 from omnimodel_runtime.serving.images import answers_chat_with_images
 from omnimodel_runtime.serving.orchestrator import Orchestrator
@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 
 def build_gateway_app(settings: RuntimeSettings, pipeline: Pipeline) -> FastAPI:
     """``omnimodel gateway``: every stage reached over HTTP at the endpoints in the pipeline file."""
-    handles: dict[str, StageHandle] = {s.name: RemoteStage(s, settings) for s in pipeline.stages}
-    return build_app(settings, pipeline, handles)
+    registry = CollectorRegistry()
+    traffic = StageTraffic(registry)
+    handles: dict[str, StageHandle] = {s.name: RemoteStage(s, settings, traffic=traffic) for s in pipeline.stages}
+    return build_app(settings, pipeline, handles, registry=registry)
 
 
 def build_app(

@@ -8,6 +8,7 @@ import ipaddress
 import itertools
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -16,6 +17,7 @@ import aiohttp
 import httpx
 
 from omnimodel_runtime.errors import StageError, StageUnavailableError
+from omnimodel_runtime.metrics import StageTraffic
 from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame, encode_frame_bytes
 from omnimodel_runtime.protocol.stage import (
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 _HEADERS: Final = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 # Unanswered health probes in a row after which an endpoint counts as hung.
 HUNG_AFTER: Final = 2
+# While requests are held for a stage at zero: how often its name is resolved and its endpoints probed.
+WAKE_POLL: Final = 0.5
 
 
 @dataclass(eq=False)
@@ -120,6 +124,12 @@ class RemoteStage(StageHandle):
     the read timeout takes the endpoint out of the pool as well. A refused connection fails over at once (no
     request was sent); a connection lost after the response started cannot be retried (tokens already
     went to the client) and fails the request with a 502 that names the stage.
+
+    Waking: a stage listed in ``stage_wake`` may have no replica at all (the operator's autoscaler took
+    it to zero). A request for it is then held, not failed: one poller resolves and probes the stage
+    every ``WAKE_POLL`` seconds while anything is held, the held count is exported (what wakes the
+    stage), and the request goes to the first replica that answers ``/health``, or fails with a 503
+    naming the stage after the stage's wake timeout.
     """
 
     def __init__(
@@ -129,6 +139,7 @@ class RemoteStage(StageHandle):
         *,
         endpoints: tuple[str, ...] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        traffic: StageTraffic | None = None,
     ) -> None:
         super().__init__(stage)
         urls = endpoints if endpoints is not None else stage.endpoints
@@ -147,6 +158,13 @@ class RemoteStage(StageHandle):
         self._duplex: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._rotation = itertools.count()
+        self._traffic = traffic
+        if traffic is not None:
+            traffic.known(stage.name)
+        self._wake = settings.stage_wake.get(stage.name)
+        self._held = 0
+        self._waker: asyncio.Task[None] | None = None
+        self._probed = asyncio.Condition()
 
     async def start(self) -> None:
         # TCP_NODELAY: frames are small and latency-bound (one per token); Nagle would hold them back.
@@ -163,10 +181,11 @@ class RemoteStage(StageHandle):
         self._poller = asyncio.create_task(self._poll())
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._waker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -176,12 +195,15 @@ class RemoteStage(StageHandle):
 
     @property
     def ready(self) -> bool:
-        return any(e.healthy for e in self.endpoints)
+        # A stage that may sit at zero serves on demand: its requests are held while it wakes.
+        return self._wake is not None or any(e.healthy for e in self.endpoints)
 
     def describe(self) -> dict[str, Any]:
+        wake = {"wake_timeout": self._wake, "held": self._held} if self._wake is not None else {}
         return {
             "ready": self.ready,
             "mode": "remote",
+            **wake,
             "endpoints": [
                 {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight, "error": e.last_error}
                 for e in self.endpoints
@@ -282,10 +304,51 @@ class RemoteStage(StageHandle):
             again = [e for e in self.endpoints if e.url not in exclude and not e.hung]
             await asyncio.gather(*(self._probe(e) for e in again))
             endpoint = self._pick(exclude)
+        if endpoint is None and self._wake is not None and not exclude:
+            endpoint = await self._hold(self._wake)
+            if endpoint is None:
+                reasons = [f"{e.url}: {e.last_error}" for e in self.endpoints]
+                raise StageUnavailableError(
+                    f"stage {self.name!r} has no ready replica: none woke within {self._wake:g} s "
+                    f"({'; '.join(reasons)})"
+                )
         if endpoint is None:
             reasons = [*failures, *(f"{e.url}: {e.last_error}" for e in self.endpoints if e.url not in exclude)]
             raise StageUnavailableError(f"stage {self.name!r} is unavailable ({'; '.join(reasons)})")
         return endpoint
+
+    async def _hold(self, wake: float) -> Endpoint | None:
+        """Wait up to ``wake`` seconds for a healthy endpoint (a stage at zero waking up), counted as held."""
+        self._held += 1
+        self._report_held()
+        if self._held == 1:
+            log.info("Stage %s has no ready replica: holding requests up to %g s while it wakes", self.name, wake)
+        if self._waker is None or self._waker.done():
+            self._waker = asyncio.create_task(self._wake_poll())
+        try:
+            async with asyncio.timeout(wake), self._probed:
+                while (endpoint := self._pick(set())) is None:
+                    await self._probed.wait()
+                return endpoint
+        except TimeoutError:
+            return None
+        finally:
+            self._held -= 1
+            self._report_held()
+
+    async def _wake_poll(self) -> None:
+        """While requests are held: resolve and probe the stage, then let the held requests look."""
+        while self._held:
+            await asyncio.sleep(WAKE_POLL)
+            if self._settings.resolve_endpoints:
+                await self.resolve_endpoints()
+            await self.check_health()
+            async with self._probed:
+                self._probed.notify_all()
+
+    def _report_held(self) -> None:
+        if self._traffic is not None:
+            self._traffic.waiting(self.name, self._held)
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         if self._client is None:
@@ -298,22 +361,26 @@ class RemoteStage(StageHandle):
             # as they are produced, so this stage starts before the upstream one has finished. The
             # stream can be consumed once, so there is exactly one attempt.
             endpoint = await self._choose(set(), failures)
-            endpoint.in_flight += 1
+            sent = self._sent(endpoint)
+            done = False
             try:
                 async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream), headers):
+                    # The caller may stop reading at the final frame: that is the end of the work.
+                    done = done or isinstance(frame, FinalFrame)
                     yield frame
             finally:
-                endpoint.in_flight -= 1
+                self._finished(endpoint, sent if done else None)
             return
         tried: set[str] = set()
         stale_retried: set[str] = set()
         while True:
             endpoint = await self._choose(tried, failures)
-            endpoint.in_flight += 1
-            started = False
+            sent = self._sent(endpoint)
+            started = done = False
             try:
                 async for frame in self._stream(endpoint, head, headers):
                     started = True
+                    done = done or isinstance(frame, FinalFrame)
                     yield frame
                 return
             except _RetryableError as err:
@@ -325,7 +392,20 @@ class RemoteStage(StageHandle):
                     tried.add(endpoint.url)
                 stale_retried.add(endpoint.url)
             finally:
-                endpoint.in_flight -= 1
+                self._finished(endpoint, sent if done else None)
+
+    def _sent(self, endpoint: Endpoint) -> float:
+        """Count an attempt as in flight (on the endpoint, for balancing; on the stage, for autoscaling)."""
+        endpoint.in_flight += 1
+        if self._traffic is not None:
+            self._traffic.sent(self.name)
+        return time.monotonic()
+
+    def _finished(self, endpoint: Endpoint, sent: float | None) -> None:
+        """``sent`` is the attempt's start when it completed, None when it failed or was cancelled."""
+        endpoint.in_flight -= 1
+        if self._traffic is not None:
+            self._traffic.finished(self.name, None if sent is None else time.monotonic() - sent)
 
     async def _duplex_stream(
         self, endpoint: Endpoint, body: AsyncIterator[bytes], headers: dict[str, str]

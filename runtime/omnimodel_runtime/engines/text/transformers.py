@@ -241,21 +241,35 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             new = [s for s in new if not s.cancelled]
             try:
                 if new:
-                    self._prefill_static(new)
+                    self._admit_static(new)  # a failed prefill fails only its own rows
                 gone = [s for s in slots.holders if s.cancelled or self.drop_if_expired(s)]
                 for seq in gone:
                     slots.release(seq, _length)
                 if slots.holders:
                     self._decode_static(list(slots.holders))
-            except Exception as err:  # a failed forward pass fails its batch, not the engine
+            except Exception as err:  # a failed decode step fails its batch, not the engine
                 for seq in [*new, *slots.holders]:
                     self.fail(seq, err)
                 while slots.holders:
                     slots.release(slots.holders[-1], _length)
 
-    def _prefill_static(self, new: list[_Seq]) -> None:
-        """The new prompts together (left-padded), each one's cache (padding stripped) into its slot."""
-        assert self._slots is not None
+    def _admit_static(self, new: list[_Seq]) -> None:
+        """Prefill ``new`` into free slots. Nothing is sent or written to a slot until the forward pass
+        has succeeded, so a failure is the new rows' alone: the group is then prefilled one row at a
+        time, and only a row that fails by itself is answered with its error (as in ``_admit``)."""
+        try:
+            width, out, cache = self._prefill_static(new)
+        except Exception as err:
+            if len(new) == 1:
+                self.fail(new[0], err)
+                return
+            for seq in new:
+                self._admit_static([seq])
+            return
+        self._seat_static(new, width, out.logits[:, -1, :], cache)
+
+    def _prefill_static(self, new: list[_Seq]) -> tuple[int, Any, DynamicCache]:
+        """The new prompts' forward pass together (left-padded); sends nothing."""
         width = max(len(s.prompt_ids) for s in new)
         ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
@@ -274,7 +288,12 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             logits_to_keep=1,
         )
         self.context.metrics.observe_batch(len(new))
-        tokens = self._sample(out.logits[:, -1, :], new)
+        return width, out, cache
+
+    def _seat_static(self, new: list[_Seq], width: int, logits: torch.Tensor, cache: DynamicCache) -> None:
+        """Each new row's first token out, and its cache (padding stripped) into its slot."""
+        assert self._slots is not None
+        tokens = self._sample(logits, new)
         finished = set(self._advance(new, tokens))
         layers = _layers(cache)
         for i, seq in enumerate(new):
