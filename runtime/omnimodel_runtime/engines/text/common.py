@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import StageRequest
@@ -55,6 +55,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+SAMPLING_EPS: Final = 1e-5
+
+
 @dataclass(frozen=True)
 class ResolvedSampling:
     """Sampling with every default filled in and limits checked."""
@@ -68,7 +71,9 @@ class ResolvedSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing the logits by the temperature only overflows (the API accepts any float
+        # down to 5e-324): it is the best token anyway, so draw it without sampling (vLLM does the same).
+        return self.temperature < SAMPLING_EPS
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str = "prompt") -> None:
