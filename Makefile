@@ -2,7 +2,9 @@
 SHELL := /bin/bash
 PY ?= .venv/bin/python
 VENV_BIN := $(dir $(PY))
-export PYTHONPATH := e2e
+# Kept in front of what the caller set (a worktree points PYTHONPATH at its own packages; replacing it
+# would import the editable install's checkout instead).
+export PYTHONPATH := e2e$(if $(PYTHONPATH),:$(PYTHONPATH),)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -60,9 +62,21 @@ e2e-serving: cluster-build ## Real requests through gateway and stage pods (own 
 e2e-demo: cluster-build ## Run `make demo`'s script end to end and check its WAV, PNG and that nothing is left behind
 	$(PY) -m pytest e2e/demo $(PYTEST_ARGS)
 
+# The presets whose engines use transformers and diffusers directly, and the fuzz suite that starts each
+# preset's server: run again against the newest releases (.venv has the lowest the project allows).
+NEWEST_TESTS := tests/component/runtime/test_omni_pipeline.py tests/component/runtime/test_omni_speech.py \
+	tests/component/runtime/test_omni_forced_reply.py tests/component/runtime/test_tts_engines.py \
+	tests/component/runtime/test_t2i_engine.py tests/component/runtime/test_t2i_flux.py \
+	tests/component/runtime/test_runtime_transformers_engine.py tests/component/runtime/test_fuzz_openapi.py
+
+.PHONY: test-newest
+test-newest: ## The omni, TTS, text-to-image and text engines' tests on the newest transformers and diffusers
+	@py="$$(BASE_PY=$(PY) ./.ci/newest-venv)" && "$$py" -m pytest -m "not vllm and not vllm_omni" $(NEWEST_TESTS) $(PYTEST_ARGS)
+
 .PHONY: test
 test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
 	$(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-newest
 	$(MAKE) --no-print-directory e2e-serving
 	$(MAKE) --no-print-directory e2e-demo
 	$(MAKE) --no-print-directory vllm-omni-catalogue-check

@@ -363,6 +363,17 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.stages", "named like one of the deploy config's stages"],
     ),
     (
+        "vllm-omni stage scaled to zero",
+        _bad(
+            lambda s: s.update(
+                preset=None,
+                runtime={"kind": "vllm-omni", "deployConfig": "qwen2_5_omni"},
+                stages=[{"name": "talker", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}],
+            )
+        ),
+        ["spec.stages", "cannot scale to zero"],
+    ),
+    (
         "vllm-omni with a preset",
         _bad(lambda s: s.update(runtime={"kind": "vllm-omni", "deployConfig": "qwen2_5_omni"}, stages=None)),
         ["spec.preset", "not a preset"],

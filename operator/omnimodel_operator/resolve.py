@@ -84,6 +84,21 @@ class Plan:
     def service_of(self, stage: str) -> str:
         return _endpoint(self.name, self.namespace, stage)
 
+    def wake_timeouts(self) -> dict[str, int]:
+        """Stages that may sit at zero replicas (minReplicas 0 on the operator's autoscaler), with how
+        long the gateway holds a request for each while it wakes."""
+        return {
+            sp.name: sp.spec.autoscaling.wake_timeout_seconds
+            for sp in self.stages
+            if sp.spec is not None
+            and sp.spec.autoscaling is not None
+            and sp.spec.autoscaling.min_replicas == 0
+            and sp.spec.autoscaling.provider == "operator"
+        }
+
+    def wakes(self, stage: str) -> bool:
+        return stage in self.wake_timeouts()
+
 
 def parse_spec(spec: Mapping[str, Any]) -> OmniModelSpec:
     """Validate a raw ``spec`` dict; errors name the first offending field (``spec.stages[0].replicas``)."""

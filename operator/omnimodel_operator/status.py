@@ -11,7 +11,9 @@ Condition semantics (the choices DESIGN left open):
   available, nothing failed to apply, and at least one output modality can be served. A stage the
   user scaled to 0 does not make the model unready while another modality still works (text with the
   talker at 0): reason ``StagesScaledToZero`` names what is unavailable; when nothing can be served
-  (gateway or every path at 0) Ready is False with ``ScaledToZero``.
+  (gateway or every path at 0) Ready is False with ``ScaledToZero``. A stage the autoscaler took to
+  zero (``minReplicas: 0``) still serves, on demand: the gateway holds its requests while it wakes, so
+  it leaves Ready alone (the message names it as idle).
 - **Progressing** is True while a rollout or scale-up is under way *or stuck*, with the reason:
   ``InsufficientCapacity`` (pods cannot be scheduled), ``ProgressDeadlineExceeded`` (the Deployment
   controller gave up waiting), ``PodsNotReady`` (new pods run but never became ready), ``Updating``.
@@ -175,6 +177,10 @@ class StatusView(Protocol):
 
     def service_of(self, stage: str) -> str: ...
 
+    def wakes(self, stage: str) -> bool:
+        """True for a stage that may sit at zero: the gateway holds its requests while it wakes."""
+        ...
+
 
 def _accelerator_text(plan: StatusView, stage: str) -> str:
     acc = plan.accelerator_of(stage)
@@ -235,6 +241,10 @@ def compute_status(
     components = [*stages, gateway]
     not_ready = [c for c in components if not c.is_ready]
     at_zero = {s.name for s in stages if s.is_ready and s.desired == 0}
+    # A stage the autoscaler took to zero (minReplicas 0) still serves: the gateway holds the request
+    # and the autoscaler wakes it. Only a stage at zero that cannot wake makes its modality unservable.
+    idle = {name for name in at_zero if plan.wakes(name)}
+    at_zero -= idle
     servable = [m for m in plan.modalities if not any(name in at_zero for name in plan.stages_for(m))]
     if (gateway.is_ready and gateway.desired == 0) or (weights is not None and not weights.ready):
         servable = []
@@ -260,7 +270,8 @@ def compute_status(
             f"{', '.join(sorted(at_zero))} (scaled to 0)",
         )  # fmt: skip
     else:
-        put(cond.READY, True, cond.ALL_READY, f"{len(stages)} stage(s) and the gateway are available")
+        woken = f"; {', '.join(sorted(idle))} idle at 0 replicas (woken by the next request)" if idle else ""
+        put(cond.READY, True, cond.ALL_READY, f"{len(stages)} stage(s) and the gateway are available{woken}")
 
     progressing = [c for c in components if not c.is_ready and not c.degraded]
     if problems.conflicts:

@@ -36,8 +36,45 @@ EXIT_PERMANENT = 3
 
 def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1, or OMNIMODEL_HOST)")
-    p.add_argument("--port", type=int, default=None, help=f"port to bind (default {default_port})")
-    p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--port", type=int, default=None, help=f"port to bind (default {default_port}, or OMNIMODEL_PORT)")
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (default info, or OMNIMODEL_LOG_LEVEL); debug adds tracebacks and probe access lines",
+    )
+    p.add_argument(
+        "--log-format",
+        default=None,
+        choices=["text", "json"],
+        help="log lines as text or one JSON object each (default text, or OMNIMODEL_LOG_FORMAT)",
+    )
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """How ``serve`` and ``pipeline`` choose the graph, the model and the engines."""
+    from omnimodel_runtime.pipeline import PRESETS
+
+    p.add_argument("--preset", required=True, help=f"stage-graph preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument(
+        "--model", required=True, help="model source: tiny://PRESET, file:///path, pvc://claim/path, hf://org/name"
+    )
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[STAGE=]ENGINE",
+        help="engine for every stage (vllm, transformers, diffusers) or for one stage; repeatable. Without it a "
+        "stage whose preset engine is vllm runs on transformers (the text preset's llm)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument for every stage (VALUE parsed as JSON when it is JSON); repeatable",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,29 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p, 8000)
 
     p = sub.add_parser("serve", help="gateway and every stage in this one process")
-    p.add_argument("--preset", required=True, help="stage-graph preset, e.g. text")
-    p.add_argument("--model", required=True, help="model source: tiny://PRESET, file:///path, hf://org/name")
-    p.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="[STAGE=]ENGINE",
-        help="engine for every stage (vllm, transformers, diffusers) or for one stage; repeatable",
-    )
-    p.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="engine argument for every stage (VALUE parsed as JSON when it is JSON); repeatable",
-    )
-    p.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
+    _model_flags(p)
     _server_flags(p, 8000)
 
+    p = sub.add_parser(
+        "pipeline",
+        help="write the pipeline file of a split deployment (omnimodel stage + omnimodel gateway by hand)",
+        description="Write the pipeline file that `omnimodel stage --pipeline FILE --stage NAME` and "
+        "`omnimodel gateway --pipeline FILE` read: the preset bound to the model, with the URL(s) where "
+        "the gateway reaches each stage. Every stage needs at least one --stage-url.",
+    )
+    _model_flags(p)
+    p.add_argument(
+        "--stage-url",
+        action="append",
+        default=[],
+        metavar="STAGE=URL",
+        help="where the gateway reaches a stage, e.g. llm=http://127.0.0.1:8001; repeat a stage for replicas",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu"],
+        help="cpu: every stage's accelerator becomes the CPU (default: the preset's accelerators)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="file to write (default: standard output)")
+
     p = sub.add_parser("make-tiny", help="build a preset's tiny random-weight model into a directory")
-    p.add_argument("--preset", required=True)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--preset", required=True, help="preset whose tiny model to build (tiny://PRESET)")
+    p.add_argument("--out", required=True, type=Path, help="directory to write the model into")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random weights (default: the preset's own)")
     p.add_argument(
         "--size",
         default=None,
@@ -126,14 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace, **extra: Any) -> RuntimeSettings:
     from omnimodel_runtime.settings import RuntimeSettings
 
-    flags = {k: getattr(args, k, None) for k in ("host", "port", "log_level")}
+    flags = {k: getattr(args, k, None) for k in ("host", "port", "log_level", "log_format")}
     return RuntimeSettings(**{k: v for k, v in {**flags, **extra}.items() if v is not None})
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    """Every logger of the process (uvicorn's too: run_app leaves its loggers to the root) to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from omnimodel_runtime.web.access import JSONFormatter
+
+        handler.setFormatter(JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    # httpx logs every stage request and health probe at info; the access log already says what matters.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _load(path: Path) -> Pipeline:
@@ -152,21 +204,40 @@ def run_app(app: FastAPI, settings: RuntimeSettings) -> int:
 
     from omnimodel_runtime.web.startup import Startup
 
+    # Bound before anything starts, so a port in use is one line and no engine loads for nothing.
+    try:
+        sock = _listen(settings.host, settings.port)
+    except OSError as err:
+        log.error(
+            "Cannot listen on %s:%d: %s (is another server running there? choose another --port)",
+            settings.host,
+            settings.port,
+            err.strerror or err,
+        )
+        return EXIT_FAILED
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # Our own logging setup (text or JSON) for uvicorn's loggers too.
+        log_config=None,
         # uvicorn reads 0/None as "wait forever"; a drain of at least a second is always granted.
         timeout_graceful_shutdown=max(1, math.ceil(settings.drain_timeout)),
         lifespan="on",
-        access_log=settings.log_level == "debug",
+        # web.access logs every request (with its id); uvicorn's own access lines would repeat them.
+        access_log=False,
     )
     server = _graceful_server_class()(config)
     startup: Startup = app.state.startup
+    log.info(
+        "Listening on http://%s:%d; loading (GET /health answers 503 until ready, /livez 200)",
+        settings.host,
+        sock.getsockname()[1],
+    )
 
     async def main() -> int:
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
         failed = asyncio.create_task(startup.failed.wait())
         await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
         if failed.done() and not serving.done():
@@ -179,6 +250,21 @@ def run_app(app: FastAPI, settings: RuntimeSettings) -> int:
         return 0 if server.started else EXIT_FAILED
 
     return asyncio.run(main())
+
+
+def _listen(host: str, port: int) -> Any:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _graceful_server_class() -> type[Any]:
@@ -212,7 +298,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from omnimodel_runtime.stage.server import build_stage_app
 
     settings = _settings(args, pipeline=args.pipeline, stage=args.stage)
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     app = build_stage_app(settings, _load(args.pipeline), args.stage)
     return run_app(app, settings)
 
@@ -221,7 +307,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from omnimodel_runtime.gateway import build_gateway_app
 
     settings = _settings(args, pipeline=args.pipeline)
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     return run_app(build_gateway_app(settings, _load(args.pipeline)), settings)
 
 
@@ -242,7 +328,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 
     settings = _settings(args)
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     pipeline = serve_pipeline(
         args.preset,
         args.model,
@@ -250,8 +336,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_args=_parse_kv(args.engine_arg, "--engine-arg"),
         served_model_name=args.served_model_name,
         device=_local_device(settings.device),
+        local_defaults=True,
     )
+    _log_choices(pipeline, args.engine)
     return run_app(build_serve_app(settings, pipeline), settings)
+
+
+def _log_choices(pipeline: Pipeline, engines: Sequence[str]) -> None:
+    from omnimodel_runtime.pipeline import get_preset
+
+    preset = get_preset(pipeline.preset) if pipeline.preset else None
+    for stage in pipeline.stages:
+        note = ""
+        if preset is not None and not engines:
+            declared = next(s.engine for s in preset.stages if s.name == stage.name)
+            if declared != stage.engine:
+                note = f" (the preset's engine is {declared.value}; --engine {declared.value} to use it)"
+        log.info("Stage %s: %s engine, task %s%s", stage.name, stage.engine.value, stage.task, note)
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from omnimodel_runtime.serve import serve_pipeline
+
+    endpoints: dict[str, list[str]] = {}
+    for item in args.stage_url:
+        stage, sep, url = item.partition("=")
+        if not sep or not stage or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--stage-url must look like STAGE=http://HOST:PORT, got {item!r}")
+        endpoints.setdefault(stage, []).append(url.rstrip("/"))
+    pipeline = serve_pipeline(
+        args.preset,
+        args.model,
+        engines=args.engine,
+        engine_args=_parse_kv(args.engine_arg, "--engine-arg"),
+        served_model_name=args.served_model_name,
+        device=args.device or "auto",
+        endpoints=endpoints,
+        local_defaults=True,
+    )
+    missing = [s.name for s in pipeline.stages if not s.endpoints]
+    if missing:
+        raise ValueError(
+            f"every stage needs a --stage-url; missing: {', '.join(missing)} "
+            f"(e.g. --stage-url {missing[0]}=http://127.0.0.1:8001)"
+        )
+    text = pipeline.to_json()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
 
 
 def _local_device(setting: str) -> str:
@@ -358,6 +493,7 @@ COMMANDS = {
     "stage": cmd_stage,
     "gateway": cmd_gateway,
     "serve": cmd_serve,
+    "pipeline": cmd_pipeline,
     "make-tiny": cmd_make_tiny,
     "fetch": cmd_fetch,
     "wait-weights": cmd_wait_weights,

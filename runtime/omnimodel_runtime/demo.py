@@ -19,11 +19,15 @@ from omnimodel_runtime.errors import ExtraMissingError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``omnimodel demo``."""
-    p.add_argument("--preset", default="text")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
-    p.add_argument("--question", default="Hello! Who are you?")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--preset", default="text", help="preset to serve with its tiny model (default text)")
+    p.add_argument(
+        "--engine", default="transformers", choices=["transformers", "vllm"], help="engine (default transformers)"
+    )
+    p.add_argument("--question", default="Hello! Who are you?", help="what to ask the model")
+    p.add_argument("--max-tokens", type=int, default=32, help="longest answer in tokens (default 32)")
+    p.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds to wait for the server to be ready (default 300)"
+    )
 
 
 def _free_port() -> int:

@@ -207,6 +207,50 @@ class GatewayMetrics:
         self._stage_up.labels(stage).set(1 if up else 0)
 
 
+class StageTraffic:
+    """What the gateway sends each stage, as the operator's autoscaler reads it: requests in flight,
+    requests held for a stage with no ready replica, and how long the stage took per request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._in_flight = Gauge(
+            "omnimodel_gateway_stage_in_flight",
+            "Requests this gateway has sent to the stage and not seen finish",
+            ["stage"],
+            registry=registry,
+        )
+        self._waiting = Gauge(
+            "omnimodel_gateway_stage_waiting",
+            "Requests held because the stage has no ready replica (a stage at zero waking)",
+            ["stage"],
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "omnimodel_gateway_stage_request_seconds",
+            "Time the stage took per request, from sending it to its last frame",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def known(self, stage: str) -> None:
+        """Expose the stage's series at 0 before its first request."""
+        self._in_flight.labels(stage)
+        self._waiting.labels(stage)
+        self._seconds.labels(stage)
+
+    def sent(self, stage: str) -> None:
+        self._in_flight.labels(stage).inc()
+
+    def finished(self, stage: str, seconds: float | None) -> None:
+        """``seconds`` is None for a request that failed or was cancelled (it times nothing useful)."""
+        self._in_flight.labels(stage).dec()
+        if seconds is not None:
+            self._seconds.labels(stage).observe(seconds)
+
+    def waiting(self, stage: str, count: int) -> None:
+        self._waiting.labels(stage).set(count)
+
+
 def render(registry: CollectorRegistry) -> bytes:
     """The registry in Prometheus text format."""
     return generate_latest(registry)

@@ -7,10 +7,11 @@ as init arguments, which take precedence over the environment.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["auto", "cpu", "cuda", "xpu", "npu"]
@@ -18,6 +19,24 @@ Device = Literal["auto", "cpu", "cuda", "xpu", "npu"]
 
 def _default_model_cache() -> Path:
     return Path.home() / ".cache" / "omnimodel" / "models"
+
+
+class StageTimeouts(BaseModel):
+    """Timeouts of one stage as the gateway applies them; unset ones fall back to the process-wide
+    ``connect_timeout``, ``stage_read_timeout`` and ``health_timeout``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect: Annotated[float, Field(gt=0)] | None = None
+    read: Annotated[float, Field(gt=0)] | None = None
+    health: Annotated[float, Field(gt=0)] | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedTimeouts:
+    connect: float
+    read: float
+    health: float
 
 
 class RuntimeSettings(BaseSettings):
@@ -37,6 +56,8 @@ class RuntimeSettings(BaseSettings):
     pvc_root: Path = Path("/mnt/pvc")
     device: Device = "auto"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # "json": every log line (the access log included) is one JSON object, for log collectors.
+    log_format: Literal["text", "json"] = "text"
 
     # Gateway requests are JSON; a few MiB is plenty and keeps a flood of huge bodies cheap to refuse.
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
@@ -46,10 +67,23 @@ class RuntimeSettings(BaseSettings):
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     # Connecting to a stage is a LAN hop; a dead pod must fail fast, not after the request timeout.
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
-    # Longest silence tolerated between two frames of a stage response before it counts as hung.
+    # Longest silence tolerated between two frames of a stage response before it counts as hung (a
+    # non-streamed request sends its one frame at the end, so this bounds a whole generation).
     stage_read_timeout: Annotated[float, Field(gt=0)] = 120.0
     # How often the gateway re-checks every stage endpoint's /health.
-    health_interval: Annotated[float, Field(gt=0)] = 2.0
+    health_interval: Annotated[float, Field(gt=0)] = 1.0
+    # A stage's /health answers from its event loop while the engine works on its own thread, so it is
+    # quick even under load; one slower than this is a hung process (SIGSTOP, a wedged node): the
+    # endpoint leaves the pool at once and the requests waiting on it are failed over or failed.
+    health_timeout: Annotated[float, Field(gt=0)] = 1.0
+    # Per-stage overrides of the three stage timeouts, by stage name, e.g.
+    # OMNIMODEL_STAGE_TIMEOUTS='{"denoise": {"read": 900}, "talker": {"health": 3}}'.
+    stage_timeouts: dict[str, StageTimeouts] = Field(default_factory=dict)
+    # Stages that may have no replica at all (scaled to zero by the operator's autoscaler), by name, with
+    # how long a request for one is held while it wakes (seconds), e.g. OMNIMODEL_STAGE_WAKE='{"talker": 300}'.
+    # Such a stage does not make /health 503; its held requests are what the autoscaler sees as
+    # omnimodel_gateway_stage_waiting. Any other stage without a healthy endpoint fails requests at once.
+    stage_wake: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     # Re-resolve stage hostnames (headless Services) to per-pod endpoints on every health poll.
     resolve_endpoints: bool = True
     # How long SIGTERM waits for in-flight requests before the process exits anyway (pods get 60 s).
@@ -60,3 +94,12 @@ class RuntimeSettings(BaseSettings):
     # a moment later join at the next step anyway, so waiting only adds latency.
     batch_wait: Annotated[float, Field(ge=0)] = 0.0
     max_batch_size: Annotated[int, Field(ge=1)] = 32
+
+    def timeouts_for(self, stage: str) -> ResolvedTimeouts:
+        """The connect, read and health timeouts the gateway uses for ``stage``."""
+        own = self.stage_timeouts.get(stage, StageTimeouts())
+        return ResolvedTimeouts(
+            connect=own.connect or self.connect_timeout,
+            read=own.read or self.stage_read_timeout,
+            health=own.health or self.health_timeout,
+        )

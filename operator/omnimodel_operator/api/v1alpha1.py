@@ -377,7 +377,8 @@ class Autoscaling(KubeModel):
         ge=0,
         le=1000,
         description="Lower bound. Default 1. 0 lets an idle stage go to zero after idleSecondsToZero; "
-        "the gateway holds a request that needs it until a replica is ready (provider operator only).",
+        "the gateway then holds a request that needs it (up to wakeTimeoutSeconds) until a replica is ready "
+        "(provider operator, runtime.kind omnimodel only).",
     )
     max_replicas: int = Field(ge=1, le=1000, description="Upper bound.")
     provider: Literal["operator", "hpa"] = Field(
@@ -413,6 +414,14 @@ class Autoscaling(KubeModel):
     )
     idle_seconds_to_zero: int = Field(
         default=300, ge=0, le=86400, description="With minReplicas 0: seconds without load before 0. Default 300."
+    )
+    wake_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description="With minReplicas 0: how long the gateway holds a request for this stage while it has no "
+        "ready replica (the hold is the signal that wakes it); past that the request fails with 503 naming "
+        "the stage. Default 300.",
     )
     ratio: ScalingRatio | None = Field(
         default=None,
@@ -577,6 +586,13 @@ class OmniModelSpec(KubeModel):
                     ".stages",
                 ),
                 cel(
+                    f"!({_VLLM}) || !has(self.stages) || self.stages.all(s, !has(s.autoscaling) || "
+                    "!has(s.autoscaling.minReplicas) || s.autoscaling.minReplicas > 0)",
+                    "with runtime.kind vllm-omni a stage cannot scale to zero: vLLM-Omni's head does not "
+                    "hold requests for a stage without replicas",
+                    ".stages",
+                ),
+                cel(
                     f"!({_VLLM}) || !has(self.gateway) || !has(self.gateway.replicas) || self.gateway.replicas == 1",
                     "with runtime.kind vllm-omni the head pod serves the API: gateway.replicas must be 1",
                     ".gateway.replicas",
@@ -651,6 +667,11 @@ class OmniModelSpec(KubeModel):
             fixed = [f for f in ("engine", "inputs", "kind", "task", "outputs") if getattr(stage, f) is not None]
             if fixed:
                 raise ValueError(f"stage {stage.name}: a vLLM-Omni deploy config fixes {', '.join(fixed)}")
+            if stage.autoscaling is not None and stage.autoscaling.min_replicas == 0:
+                raise ValueError(
+                    f"stage {stage.name}: with runtime.kind vllm-omni a stage cannot scale to zero "
+                    "(vLLM-Omni's head does not hold requests for a stage without replicas)"
+                )
         if self.gateway.replicas != 1:
             raise ValueError("with runtime.kind vllm-omni the head pod serves the API: gateway.replicas must be 1")
         return self

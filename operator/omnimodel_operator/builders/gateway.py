@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from omnimodel_operator import constants as C
@@ -37,6 +38,10 @@ def gateway_deployment(plan: Plan, settings: OperatorSettings) -> Manifest:
     pipeline_vol, pipeline_mount = pipeline_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
     env = merge_env(runtime_env(plan), [{"name": k, "value": v} for k, v in accelerator_for(Vendor.CPU).env().items()])
+    if wake := plan.wake_timeouts():
+        # Stages that may sit at zero: the gateway holds their requests (and says so in its metrics,
+        # which is what wakes them) instead of answering 503 at once.
+        env = merge_env(env, [{"name": "OMNIMODEL_STAGE_WAKE", "value": json.dumps(wake, sort_keys=True)}])
     if gw.api_key_secret:
         env.append(
             {

@@ -89,6 +89,9 @@ class VllmPlan:
         # Stage pods serve nothing of their own: the head's API Service is the one endpoint.
         return self.endpoint if stage == self.head.name else ""
 
+    def wakes(self, stage: str) -> bool:
+        return False  # vLLM-Omni's head holds nothing for a stage at zero (the spec refuses minReplicas 0)
+
     @property
     def modalities(self) -> tuple[str, ...]:
         return tuple(self.config.final_outputs)

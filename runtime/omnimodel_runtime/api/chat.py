@@ -10,10 +10,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from omnimodel_runtime.api.auth import require_key
+from omnimodel_runtime.api.openapi import SSE, STAGE_ERRORS, errors, ok
 from omnimodel_runtime.api.responses import respond, until_disconnect
 from omnimodel_runtime.api.state import APIState, api_state
-from omnimodel_runtime.protocol.images import ImageChatCompletionRequest
-from omnimodel_runtime.protocol.openai import ChatCompletionRequest
+from omnimodel_runtime.protocol.images import ImageChatCompletionRequest, ImageChatCompletionResponse
+from omnimodel_runtime.protocol.openai import ChatCompletionRequest, ChatCompletionResponse
 from omnimodel_runtime.serving.chat_audio import wants_audio
 
 PATH: Final = "/v1/chat/completions"
@@ -22,7 +23,11 @@ router = APIRouter(dependencies=[Depends(require_key)])
 image_router = APIRouter(dependencies=[Depends(require_key)])
 
 
-@router.post(PATH)
+@router.post(
+    PATH,
+    response_model=ChatCompletionResponse,
+    responses=ok("The answer; with `stream: true` as server-sent events", SSE) | errors(*STAGE_ERRORS),
+)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
 ) -> Response:
@@ -31,7 +36,11 @@ async def chat_completions(
     return respond(await until_disconnect(request, service.create(body)))
 
 
-@image_router.post(PATH)
+@image_router.post(
+    PATH,
+    response_model=ImageChatCompletionResponse,
+    responses=ok("The images as `image_url` data-URL content parts") | errors(*STAGE_ERRORS),
+)
 async def image_chat_completions(
     body: ImageChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
 ) -> Response:

@@ -8,9 +8,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from omnimodel_runtime.api.auth import require_key
+from omnimodel_runtime.api.openapi import STAGE_ERRORS, binary, errors
 from omnimodel_runtime.api.responses import until_disconnect
 from omnimodel_runtime.api.state import APIState, api_state
 from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
+from omnimodel_runtime.serving.audio import MEDIA_TYPES
 from omnimodel_runtime.web.streaming import StreamResponse
 
 PATH: Final = "/v1/audio/speech"
@@ -19,7 +21,15 @@ VOICES_PATH: Final = "/v1/audio/voices"
 router = APIRouter(dependencies=[Depends(require_key)])
 
 
-@router.post(PATH)
+@router.post(
+    PATH,
+    response_class=Response,
+    responses=binary(
+        MEDIA_TYPES.values(),
+        "The audio file in `response_format`, or (streamed) raw 16-bit mono PCM; the sample rate is in X-Sample-Rate",
+    )
+    | errors(*STAGE_ERRORS),
+)
 async def audio_speech(body: SpeechRequest, request: Request, api: Annotated[APIState, Depends(api_state)]) -> Response:
     audio = await until_disconnect(request, api.speech.create(body))
     if audio.stream is not None:
@@ -27,6 +37,6 @@ async def audio_speech(body: SpeechRequest, request: Request, api: Annotated[API
     return Response(audio.body, media_type=audio.media_type, headers=audio.headers)
 
 
-@router.get(VOICES_PATH)
+@router.get(VOICES_PATH, responses=errors(401, 500, 501, 502, 503, 504))
 async def audio_voices(api: Annotated[APIState, Depends(api_state)]) -> VoiceList:
     return await api.speech.voices()

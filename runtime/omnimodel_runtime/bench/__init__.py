@@ -37,14 +37,19 @@ from omnimodel_runtime.bench.common import deployment, serve_process
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``omnimodel bench`` (kept here so the CLI module stays small)."""
     p.add_argument("--url", default=None, help="gateway to drive (default: deploy stage + gateway locally)")
-    p.add_argument("--preset", default="text")
-    p.add_argument("--model", default="tiny://text")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "diffusers"])
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--preset", default="text", help="preset to deploy when no --url is given (default text)")
+    p.add_argument("--model", default="tiny://text", help="model source to deploy (default tiny://text)")
+    p.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "vllm", "diffusers"],
+        help="engine of the deployed stage (default transformers)",
+    )
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default 8)")
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency run")
     p.add_argument("--rounds", type=int, default=3, help="sequential interleaved rounds over the prompts")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
+    p.add_argument("--api-key", default=None, help="API key of the gateway at --url")
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -54,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-direct", action="store_true", help="skip the in-process engine baseline")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout only)")
-    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds to wait for a deployment to be ready (default 300)"
+    )
     p.add_argument(
         "--mode",
         default="auto",

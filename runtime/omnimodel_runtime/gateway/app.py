@@ -8,6 +8,7 @@ routes cannot tell the difference.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 
@@ -18,8 +19,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnimodel_runtime.api import chat, completions, images, models, speech
 from omnimodel_runtime.api.errors import body_too_large, install_error_handlers
+from omnimodel_runtime.api.openapi import errors, install_openapi, ok, probe
 from omnimodel_runtime.api.state import APIState
-from omnimodel_runtime.metrics import GatewayMetrics
+from omnimodel_runtime.metrics import GatewayMetrics, StageTraffic
 from omnimodel_runtime.pipeline import Pipeline, Route
 from omnimodel_runtime.serving.images import answers_chat_with_images
 from omnimodel_runtime.serving.orchestrator import Orchestrator
@@ -27,14 +29,20 @@ from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.web import probes
+from omnimodel_runtime.web.access import AccessLogMiddleware
 from omnimodel_runtime.web.limits import BodyLimitMiddleware
+from omnimodel_runtime.web.probes import PROBE_PATHS
 from omnimodel_runtime.web.startup import Startup
+
+log = logging.getLogger(__name__)
 
 
 def build_gateway_app(settings: RuntimeSettings, pipeline: Pipeline) -> FastAPI:
     """``omnimodel gateway``: every stage reached over HTTP at the endpoints in the pipeline file."""
-    handles: dict[str, StageHandle] = {s.name: RemoteStage(s, settings) for s in pipeline.stages}
-    return build_app(settings, pipeline, handles)
+    registry = CollectorRegistry()
+    traffic = StageTraffic(registry)
+    handles: dict[str, StageHandle] = {s.name: RemoteStage(s, settings, traffic=traffic) for s in pipeline.stages}
+    return build_app(settings, pipeline, handles, registry=registry)
 
 
 def build_app(
@@ -50,11 +58,34 @@ def build_app(
     metrics = GatewayMetrics(registry)
     orchestrator = Orchestrator(pipeline, handles)
     startup = Startup()
+    watchers: list[asyncio.Task[None]] = []
 
     async def start() -> None:
+        log.info(
+            "Pipeline %s: model %s, stages %s; serving %s",
+            pipeline.name,
+            pipeline.model.source,
+            " -> ".join(s.name for s in pipeline.stages),
+            ", ".join(sorted(served)),
+        )
+        began = time.monotonic()
         await asyncio.gather(*(h.start() for h in handles.values()))
+        watchers.append(asyncio.create_task(announce_ready(began)))
+
+    async def announce_ready(began: float) -> None:
+        """One line when every stage first is reachable and warm (what turns /health 200)."""
+        if not orchestrator.ready:
+            waiting = ", ".join(name for name, h in handles.items() if not h.ready)
+            log.info("Waiting for stages %s (GET /health answers 503 until every stage is warm)", waiting)
+        # Readiness is a property of every handle (remote endpoints flip in their own pollers), read
+        # here as /health reads it; an event would need every handle kind to signal it.
+        while not orchestrator.ready:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        log.info("Every stage is ready (%.1f s): serving %s", time.monotonic() - began, pipeline.model.name)
 
     async def stop() -> None:
+        for watcher in watchers:
+            watcher.cancel()
         await asyncio.gather(*(h.stop() for h in handles.values()), return_exceptions=True)
 
     app = FastAPI(
@@ -68,6 +99,7 @@ def build_app(
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
     )
     install_error_handlers(app)
+    install_openapi(app)
 
     # Routes only for what the pipeline serves.
     app.include_router(models.router)
@@ -85,15 +117,20 @@ def build_app(
         app.include_router(speech.router)
         served.add(speech.PATH)
 
-    # Added last = outermost: requests refused for size are counted too.
+    # Added last = outermost: requests refused for size are counted (and the access log sees everything).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_body=body_too_large)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=frozenset(served))
+    app.add_middleware(AccessLogMiddleware, quiet_paths=PROBE_PATHS)
 
-    @app.get("/livez")
+    @app.get("/livez", responses=probe("The process is usable", 200) | probe("Start-up failed", 503))
     async def livez() -> JSONResponse:
         return probes.livez(startup)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses=probe("Every stage is reachable and warm", 200)
+        | probe("Starting, or a stage is unavailable (`stages` says which)", 503),
+    )
     async def health() -> JSONResponse:
         """200 once every stage is reachable and warm; 503 before, and again when a stage is lost."""
         ready = startup.ready and orchestrator.ready
@@ -106,7 +143,11 @@ def build_app(
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses=ok("Prometheus text exposition", {"text/plain": {"schema": {"type": "string"}}}) | errors(500),
+    )
     async def metrics_endpoint() -> Response:
         return probes.metrics(registry)
 

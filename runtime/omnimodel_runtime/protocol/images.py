@@ -21,7 +21,13 @@ from typing import Annotated, Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from omnimodel_runtime.protocol.openai import ChatMessageParam, OpenAIBaseModel, UsageInfo, random_id
+from omnimodel_runtime.protocol.openai import (
+    ChatMessageParam,
+    OpenAIBaseModel,
+    OpenAIRequestModel,
+    UsageInfo,
+    random_id,
+)
 
 MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 200
@@ -108,7 +114,7 @@ class TextToImageParams(BaseModel):
 # ---------------------------------------------------------------- POST /v1/images/generations
 
 
-class _ImageFields(OpenAIBaseModel):
+class _ImageFields(OpenAIRequestModel):
     """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
 
     negative_prompt: str | None = None
@@ -129,6 +135,25 @@ class ImageGenerationRequest(_ImageFields):
     output_format: Literal["png"] | None = None
     seed: Seed | None = None
     user: str | None = None
+    # OpenAI's knobs for its own models; a diffusion pipeline has no such modes. Only their neutral
+    # values are accepted, anything else is a 400 naming the field (not silently ignored).
+    quality: Literal["auto", "standard"] | None = None
+    style: None = None
+    background: Literal["auto"] | None = None
+    moderation: Literal["auto"] | None = None
+    output_compression: None = None
+
+    @field_validator("quality", "style", "background", "moderation", "output_compression", mode="before")
+    @classmethod
+    def _only_neutral(cls, value: object, info: ValidationInfo) -> object:
+        neutral = {"quality": ("auto", "standard"), "background": ("auto",), "moderation": ("auto",)}
+        if value is not None and value not in neutral.get(info.field_name or "", ()):
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "'{value}' is not supported: a diffusion pipeline has no such setting (leave it out)",
+                {"value": value},
+            )
+        return value
 
     _prompt = field_validator("prompt")(_non_blank)
     _size = field_validator("size")(_check_size)

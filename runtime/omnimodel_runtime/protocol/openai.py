@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI's own limit on stop sequences.
 MAX_STOP_SEQUENCES = 4
 _INT64 = 2**63
+# Token ids are indices into an embedding table: never negative, and no vocabulary has 2^31 entries. The
+# engine checks them against its own vocabulary (a 400 naming ``prompt``); this bound keeps ids that do
+# not even fit an int32 (``10**23``) from reaching a tensor constructor.
+MAX_TOKEN_ID: Final = 2**31 - 1
+
+# A seed every engine accepts: torch generators take the int64 range (and vLLM its own int64 seed).
+Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 def random_id(prefix: str) -> str:
@@ -29,6 +38,14 @@ def _now() -> int:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """What a client sends. Strict: a value of the wrong JSON type is a 400, as the schema says
+    (``"seed": false`` or ``"max_tokens": "5"`` are not quietly turned into 0 and 5); integers still
+    pass as numbers."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ---------------------------------------------------------------- errors
@@ -56,7 +73,7 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
@@ -79,7 +96,7 @@ def stop_list(value: StopParam) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(OpenAIRequestModel):
     """Sampling parameters both APIs share (plus vLLM's ``ignore_eos`` extension)."""
 
     model: str | None = None
@@ -87,13 +104,19 @@ class _SamplingFields(OpenAIBaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
+    seed: Seed | None = None
     stop: StopParam = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extension: keep generating past end-of-sequence until max_tokens (benchmarks, tests).
     ignore_eos: bool = False
+    # OpenAI parameters the engines do not implement. Declared so that a request using them is refused
+    # with a 400 naming the field (serving.text) instead of being answered as if they had been applied;
+    # their neutral values (0, {}, null) are accepted.
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     _validate_stop = field_validator("stop")(_check_stop)
 
@@ -101,28 +124,35 @@ class _SamplingFields(OpenAIBaseModel):
 # ---------------------------------------------------------------- chat
 
 
-class ContentPart(OpenAIBaseModel):
+class ContentPart(OpenAIRequestModel):
     """One part of a multi-part message. Text presets render only ``text`` parts; media types arrive
     with the omni presets and are kept (``extra="allow"``) for them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(OpenAIRequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatAudioParam(OpenAIBaseModel):
+class ChatAudioParam(OpenAIRequestModel):
     """OpenAI's ``audio`` request parameter: the voice (a speaker of the model) and the output format
     (``wav`` is a complete file; ``pcm16`` raw little-endian 16-bit samples; streams always send pcm16)."""
 
     voice: Annotated[str, Field(min_length=1)] | None = None
     format: Literal["wav", "pcm16"] = "wav"
+
+
+class ResponseFormat(OpenAIRequestModel):
+    """``response_format``: only ``text`` is served (no constrained decoding); the others are a 400."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -136,6 +166,12 @@ class ChatCompletionRequest(_SamplingFields):
     audio: ChatAudioParam | None = None
     # vLLM-Omni's way of naming the voice (same meaning as ``audio.voice``).
     speaker: Annotated[str, Field(min_length=1)] | None = None
+    # Refused unless neutral (serving.text): structured output, tool choice, legacy functions, logprobs.
+    response_format: ResponseFormat | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -233,12 +269,27 @@ class AudioChatCompletionStreamResponse(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. One prompt per request: a string, a one-string list, or token ids."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[TokenId]
     # OpenAI's documented default for the legacy completions API.
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    # Refused above 1 (serving.text): one completion per request.
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_in_range(cls, value: Any) -> Any:
+        # Checked before the union is tried, so the error names ``prompt`` and the id rather than the
+        # union's first member ("prompt.str: Input should be a valid string").
+        if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise PydanticCustomError(
+                    "token_id", "token ids must be between 0 and {max} (got {bad})", {"max": MAX_TOKEN_ID, "bad": bad}
+                )
+        return value
 
 
 class CompletionResponseChoice(OpenAIBaseModel):

@@ -2,17 +2,18 @@
 extensions vLLM-Omni also accepts: ``stream``, ``seed``).
 
 Every field the server acts on is validated here, so a bad value is a 400 naming the field. Whether a
-*known* format can be encoded (mp3/opus need libsndfile, aac has no encoder here) is decided by the
-serving layer, which names the format in its 400.
+*known* format can be encoded (mp3/opus need libsndfile) is decided by the serving layer, which names the
+format in its 400; ``aac`` is in OpenAI's list but not in this schema, and gets a 400 that says why.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Final, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestModel, Seed
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
@@ -20,16 +21,18 @@ MAX_INPUT_CHARS: Final = 4096
 MIN_SPEED: Final = 0.25
 MAX_SPEED: Final = 4.0
 
-SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
+SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+# In OpenAI's list, but there is no maintained AAC encoder library to rely on: refused with its reason.
+REFUSED_FORMATS: Final = {"aac": "no maintained AAC encoder library is available here"}
 
 
-class VoiceRef(OpenAIBaseModel):
+class VoiceRef(OpenAIRequestModel):
     """A voice given as an object (``{"id": "..."}``), as newer OpenAI clients may send it."""
 
     id: Annotated[str, Field(min_length=1, max_length=64)]
 
 
-class SpeechRequest(OpenAIBaseModel):
+class SpeechRequest(OpenAIRequestModel):
     """``POST /v1/audio/speech``."""
 
     model: str | None = None
@@ -44,7 +47,18 @@ class SpeechRequest(OpenAIBaseModel):
     # OpenAI's switch: "audio" streams raw audio bytes like ``stream``; "sse" is not served.
     stream_format: Literal["audio", "sse"] | None = None
     # The acoustic model samples (prenet dropout): the same seed gives the same audio.
-    seed: int | None = None
+    seed: Seed | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _known_but_refused(cls, value: object) -> object:
+        if isinstance(value, str) and value in REFUSED_FORMATS:
+            raise PydanticCustomError(
+                "unsupported_format",
+                "'{fmt}' is not supported: {why} (this server encodes wav, pcm, flac, mp3 and opus)",
+                {"fmt": value, "why": REFUSED_FORMATS[value]},
+            )
+        return value
 
     @property
     def voice_name(self) -> str:

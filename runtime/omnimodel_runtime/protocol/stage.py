@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.images import TextToImageParams
+from omnimodel_runtime.protocol.openai import Seed, TokenId
 
 # Where a stage server takes requests (``POST``, frames in, frames out).
 GENERATE_PATH: Final = "/v1/stage/generate"
@@ -36,7 +37,7 @@ class SamplingParams(_Model):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -61,7 +62,7 @@ class StageParams(_Model):
     # omni-code2wav: chunked (streaming) synthesis; None follows ``StageRequest.stream``.
     audio_chunked: bool | None = None
     # omni-thinker: token ids to teacher-force as the reply (after the prompt) instead of sampling one.
-    reply_ids: tuple[int, ...] | None = None
+    reply_ids: tuple[TokenId, ...] | None = None
     # omni-talker (warm-up, benchmarks): a lower cap on this request's codes.
     talker_max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     # Text to image (text-to-image, t2i-encode, t2i-denoise, t2i-decode): size, steps, guidance, seed.
@@ -76,7 +77,7 @@ class StageRequest(_Model):
     request_id: Annotated[str, Field(min_length=1, max_length=256)]
     messages: tuple[Mapping[str, Any], ...] | None = None
     prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[TokenId, ...] | None = None
     sampling: SamplingParams = SamplingParams()
     # Absolute wall-clock time (Unix seconds) after which the stage abandons the request.
     deadline: float | None = None

@@ -40,7 +40,6 @@ MEDIA_TYPES: Final[Mapping[str, str]] = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",
-    "aac": "audio/aac",
 }
 
 # libsndfile (through soundfile) encodes these; (container, subtype) for each.

@@ -8,6 +8,7 @@ from typing import Any
 
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.orchestrator import Orchestrator
+from omnimodel_runtime.web.access import current_request_id, new_request_id
 
 
 class Service:
@@ -28,6 +29,12 @@ class Service:
                 param="model",
                 code="model_not_found",
             )
+
+    @staticmethod
+    def request_id() -> str:
+        """The id of the HTTP request being served (its access log line, its ``X-Request-ID``), which
+        names its stage requests too; a fresh one outside of an HTTP request."""
+        return current_request_id() or new_request_id()
 
     def deadline(self) -> float:
         """The absolute time (Unix seconds) a stage request made now must be done by."""

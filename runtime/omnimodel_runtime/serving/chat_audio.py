@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -115,7 +114,7 @@ class ChatAudioService:
         return named if named is not None else req.speaker
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
-        request_id = secrets.token_hex(16)
+        request_id = self.chat.request_id()
         base = self.chat.stage_request(req, request_id)
         params = StageParams(
             modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=req.stream, voice=self.voice(req)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import secrets
 import struct
 import zlib
 from collections.abc import Sequence
@@ -130,7 +129,7 @@ class ImageService(Service):
     async def create(self, req: ImageGenerationRequest) -> ImagesResponse:
         """``POST /v1/images/generations``: PNGs as base64."""
         self.check_model(req.model)
-        request = self.stage_request(req.prompt, req.params(), secrets.token_hex(16))
+        request = self.stage_request(req.prompt, req.params(), self.request_id())
         generated = await self.generate(request, req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         height, width = generated.images[0].shape[:2]
@@ -151,7 +150,7 @@ class ImageService(Service):
         prompt = prompt_from_messages(req.messages)
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")
-        request_id = secrets.token_hex(16)
+        request_id = self.request_id()
         generated = await self.generate(self.stage_request(prompt, req.params(), request_id), req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         parts = [

@@ -114,7 +114,7 @@ class SpeechService(Service):
 
     async def create(self, req: SpeechRequest) -> SpeechAudio:
         """The whole audio file, or (streamed) the PCM body once its first bytes exist."""
-        request, fmt = self.stage_request(req, secrets.token_hex(16))
+        request, fmt = self.stage_request(req, self.request_id())
         chain = self.orchestrator.generate_chain(request, [Modality.AUDIO])
         if not req.streamed:
             try:

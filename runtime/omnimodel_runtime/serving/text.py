@@ -7,7 +7,6 @@ stream has started, a failure becomes an error chunk followed by ``data: [DONE]`
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -84,6 +83,11 @@ class TextService(Service):
         self.check_model(req.model)
         if req.n != 1:
             raise APIError("only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(f"{name} is not supported (send 0 or leave it out)", param=name)
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
@@ -148,6 +152,18 @@ class ChatService(TextService):
             raise APIError("logprobs are not supported", param="logprobs")
         if req.tools:
             raise APIError("tool calling is not supported", param="tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise APIError("tool calling is not supported", param="tool_choice")
+        if req.functions or req.function_call not in (None, "none", "auto"):
+            raise APIError("function calling is not supported", param="functions" if req.functions else "function_call")
+        if req.top_logprobs:
+            raise APIError("logprobs are not supported", param="top_logprobs")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(
+                f"response_format {req.response_format.type!r} is not supported (no constrained decoding); "
+                "only 'text' is served",
+                param="response_format",
+            )
         return StageRequest(
             request_id=request_id,
             messages=tuple(_message_dict(m) for m in req.messages),
@@ -161,7 +177,7 @@ class ChatService(TextService):
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         """A full response, or (``stream=true``) the SSE body."""
-        request_id = secrets.token_hex(16)
+        request_id = self.request_id()
         stage_request = self.stage_request(req, request_id)
         frames = self.orchestrator.generate(stage_request, self.modalities(req))
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
@@ -214,6 +230,8 @@ class CompletionService(TextService):
             raise APIError("logprobs are not supported", param="logprobs")
         if req.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise APIError("best_of is not supported (one completion per request)", param="best_of")
         prompt: str | None = None
         token_ids: tuple[int, ...] | None = None
         if isinstance(req.prompt, str):
@@ -236,7 +254,7 @@ class CompletionService(TextService):
         )
 
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[bytes]:
-        request_id = secrets.token_hex(16)
+        request_id = self.request_id()
         stage_request = self.stage_request(req, request_id)
         frames = self.orchestrator.generate(stage_request, [Modality.TEXT])
         response_id, created = f"cmpl-{request_id}", int(time.time())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -13,6 +15,8 @@ from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput
 from omnimodel_runtime.stage.handle import StageHandle
+
+log = logging.getLogger(__name__)
 
 # Per event loop: an asyncio.Lock belongs to the loop it first waits on (tests run many loops).
 _LOAD_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
@@ -38,17 +42,22 @@ class LocalStage(StageHandle):
         self._started = False
 
     async def start(self) -> None:
+        began = time.monotonic()
         if self.engine is None:
             assert self._factory is not None
+            log.info("Stage %s: resolving the model (a tiny:// one is built on first use)", self.name)
             self.engine = await self._factory()
         self.metrics.track_queue_depth(self.engine.queue_depth)
         self._started = True
         # One engine loads at a time in a process: transformers' and diffusers' lazy imports and
         # from_pretrained are not safe to run from several threads at once (seen: corrupted modules).
         async with _load_lock():
+            log.info("Stage %s: loading the %s engine", self.name, self.stage.engine.value)
             await self.engine.start()
+        log.info("Stage %s: warming up", self.name)
         await self.engine.warmup()
         self._ready = True
+        log.info("Stage %s is ready (%.1f s)", self.name, time.monotonic() - began)
 
     async def stop(self) -> None:
         self._ready = False

@@ -8,14 +8,16 @@ import ipaddress
 import itertools
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
 import httpx
 
 from omnimodel_runtime.errors import StageError, StageUnavailableError
+from omnimodel_runtime.metrics import StageTraffic
 from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame, encode_frame_bytes
 from omnimodel_runtime.protocol.stage import (
@@ -28,14 +30,19 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.web.access import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
 
 _HEADERS: Final = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+# Unanswered health probes in a row after which an endpoint counts as hung.
+HUNG_AFTER: Final = 2
+# While requests are held for a stage at zero: how often its name is resolved and its endpoints probed.
+WAKE_POLL: Final = 0.5
 
 
-@dataclass
+@dataclass(eq=False)
 class Endpoint:
     """One address of a stage (a pod, once a headless Service name is resolved) as this gateway sees it."""
 
@@ -43,20 +50,86 @@ class Endpoint:
     in_flight: int = 0
     healthy: bool = False
     last_error: str | None = "not checked yet"
+    # Requests waiting right now for this endpoint's next bytes (headers or a frame), as timeouts that
+    # :meth:`stalled` expires at once.
+    waiting: set[asyncio.Timeout] = field(default_factory=set)
+    # Health probes in a row that got no answer in time.
+    timeouts: int = 0
+
+    @property
+    def hung(self) -> bool:
+        """Two probes in a row unanswered: the process stopped answering (not just a slow answer)."""
+        return self.timeouts >= HUNG_AFTER
 
     @property
     def generate_url(self) -> str:
         return f"{self.url}{GENERATE_PATH}"
+
+    def stalled(self) -> None:
+        """The endpoint stopped answering: every request waiting on it stops waiting now."""
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self.waiting):
+            timeout.reschedule(now)
+
+
+class _Watch:
+    """``async with`` around one wait for an endpoint (response headers, the next chunk): raises
+    :class:`_StalledError` when the endpoint is declared stalled meanwhile. Entered per wait, never across
+    a ``yield``, so the cancellation that ends the wait can only land inside it."""
+
+    __slots__ = ("_endpoint", "_timeout")
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+        self._timeout = asyncio.timeout(None)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+        self._endpoint.waiting.add(self._timeout)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._endpoint.waiting.discard(self._timeout)
+        try:
+            await self._timeout.__aexit__(*exc)
+        except TimeoutError as err:
+            if self._timeout.expired():
+                raise _StalledError from err
+            raise
+
+
+async def _watched(endpoint: Endpoint, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    it = aiter(chunks)
+    while True:
+        try:
+            async with _Watch(endpoint):
+                chunk = await anext(it)
+        except StopAsyncIteration:
+            return
+        yield chunk
 
 
 class RemoteStage(StageHandle):
     """A stage served by other processes, reached over the frame protocol.
 
     Balancing: each request goes to the healthy endpoint with the fewest requests in flight from this
-    gateway (ties rotate). Endpoints marked unhealthy are still tried last, because the health poller
-    may not have seen a restart yet. A refused connection fails over to the next endpoint at once (no
+    gateway (ties rotate). An unhealthy endpoint is out of the pool: when no healthy one is left, every
+    endpoint not known to be hung is probed once more right away (a restart the poller has not seen
+    yet), and without an answer the request fails at once with a 503 naming the stage.
+
+    Health is active and passive. Active: every ``health_interval`` each endpoint's ``/health`` is asked,
+    with the stage's health timeout; an error, a non-200 or no answer in time takes it out of the pool,
+    a 200 brings it back. Two unanswered probes in a row mean the process stopped answering (SIGSTOP, a
+    wedged node): the requests waiting on it stop waiting, and one that has received nothing yet fails
+    over to another endpoint. Passive: a refused connection, a lost connection or a response silent for
+    the read timeout takes the endpoint out of the pool as well. A refused connection fails over at once (no
     request was sent); a connection lost after the response started cannot be retried (tokens already
     went to the client) and fails the request with a 502 that names the stage.
+
+    Waking: a stage listed in ``stage_wake`` may have no replica at all (the operator's autoscaler took
+    it to zero). A request for it is then held, not failed: one poller resolves and probes the stage
+    every ``WAKE_POLL`` seconds while anything is held, the held count is exported (what wakes the
+    stage), and the request goes to the first replica that answers ``/health``, or fails with a 503
+    naming the stage after the stage's wake timeout.
     """
 
     def __init__(
@@ -66,6 +139,7 @@ class RemoteStage(StageHandle):
         *,
         endpoints: tuple[str, ...] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        traffic: StageTraffic | None = None,
     ) -> None:
         super().__init__(stage)
         urls = endpoints if endpoints is not None else stage.endpoints
@@ -75,6 +149,7 @@ class RemoteStage(StageHandle):
         # What the pipeline file names; ``endpoints`` is what they currently resolve to.
         self._configured = tuple(url.rstrip("/") for url in urls)
         self._settings = settings
+        self._timeouts = settings.timeouts_for(stage.name)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         # Streamed request bodies need a full-duplex client: httpcore sends the whole body before it
@@ -83,28 +158,34 @@ class RemoteStage(StageHandle):
         self._duplex: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._rotation = itertools.count()
+        self._traffic = traffic
+        if traffic is not None:
+            traffic.known(stage.name)
+        self._wake = settings.stage_wake.get(stage.name)
+        self._held = 0
+        self._waker: asyncio.Task[None] | None = None
+        self._probed = asyncio.Condition()
 
     async def start(self) -> None:
         # TCP_NODELAY: frames are small and latency-bound (one per token); Nagle would hold them back.
         transport = self._transport or httpx.AsyncHTTPTransport(
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], retries=0
         )
-        s = self._settings
+        t = self._timeouts
         self._client = httpx.AsyncClient(
             transport=transport,
-            timeout=httpx.Timeout(
-                connect=s.connect_timeout, read=s.stage_read_timeout, write=s.stage_read_timeout, pool=s.connect_timeout
-            ),
+            timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.read, pool=t.connect),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         await self.check_health()
         self._poller = asyncio.create_task(self._poll())
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._waker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -114,12 +195,15 @@ class RemoteStage(StageHandle):
 
     @property
     def ready(self) -> bool:
-        return any(e.healthy for e in self.endpoints)
+        # A stage that may sit at zero serves on demand: its requests are held while it wakes.
+        return self._wake is not None or any(e.healthy for e in self.endpoints)
 
     def describe(self) -> dict[str, Any]:
+        wake = {"wake_timeout": self._wake, "held": self._held} if self._wake is not None else {}
         return {
             "ready": self.ready,
             "mode": "remote",
+            **wake,
             "endpoints": [
                 {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight, "error": e.last_error}
                 for e in self.endpoints
@@ -132,11 +216,22 @@ class RemoteStage(StageHandle):
 
     async def _probe(self, endpoint: Endpoint) -> None:
         assert self._client is not None
+        timeout = self._timeouts.health
         try:
-            resp = await self._client.get(f"{endpoint.url}/health", timeout=self._settings.connect_timeout)
+            resp = await self._client.get(f"{endpoint.url}/health", timeout=timeout)
+        except httpx.TimeoutException:
+            # Accepted (or queued) but not answered. Once: out of the pool (a CPU-starved process may just
+            # be slow). Twice in a row: a hung process; waiting longer on it helps nobody.
+            endpoint.timeouts += 1
+            self._mark(endpoint, healthy=False, error=f"/health did not answer within {timeout:g} s")
+            if endpoint.hung:
+                endpoint.stalled()
+            return
         except httpx.HTTPError as err:
+            endpoint.timeouts = 0
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             return
+        endpoint.timeouts = 0
         if resp.status_code == 200:
             self._mark(endpoint, healthy=True, error=None)
         else:
@@ -178,7 +273,7 @@ class RemoteStage(StageHandle):
                 continue
             try:
                 infos = await asyncio.wait_for(
-                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), self._settings.connect_timeout
+                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), self._timeouts.connect
                 )
             except (OSError, TimeoutError):
                 wanted.append(url)
@@ -190,69 +285,152 @@ class RemoteStage(StageHandle):
             log.info("Stage %s endpoints: %s", self.name, ", ".join(wanted))
             self.endpoints = [current.get(url) or Endpoint(url) for url in wanted]
 
-    def _candidates(self) -> list[Endpoint]:
+    def _pick(self, exclude: set[str]) -> Endpoint | None:
+        """The healthy endpoint with the fewest requests in flight (ties rotate), leaving out ``exclude``."""
         turn = next(self._rotation)
         n = len(self.endpoints)
         rotated = [self.endpoints[(turn + i) % n] for i in range(n)]
-        # Stable sort: healthy first, then fewest in flight, ties in rotated order.
-        return sorted(rotated, key=lambda e: (not e.healthy, e.in_flight))
+        healthy = [e for e in rotated if e.healthy and e.url not in exclude]
+        # min() keeps the first of equals: ties go in rotated order.
+        return min(healthy, key=lambda e: e.in_flight, default=None)
+
+    async def _choose(self, exclude: set[str], failures: list[str]) -> Endpoint:
+        """An endpoint for the next attempt, or a 503 naming the stage and why each endpoint is out."""
+        endpoint = self._pick(exclude)
+        if endpoint is None:
+            # Nothing healthy: ask once more now (a restart the poller has not seen yet), bounded by the
+            # health timeout, rather than send the request where it would hang or be refused. A hung one
+            # was asked less than a poll interval ago.
+            again = [e for e in self.endpoints if e.url not in exclude and not e.hung]
+            await asyncio.gather(*(self._probe(e) for e in again))
+            endpoint = self._pick(exclude)
+        if endpoint is None and self._wake is not None and not exclude:
+            endpoint = await self._hold(self._wake)
+            if endpoint is None:
+                reasons = [f"{e.url}: {e.last_error}" for e in self.endpoints]
+                raise StageUnavailableError(
+                    f"stage {self.name!r} has no ready replica: none woke within {self._wake:g} s "
+                    f"({'; '.join(reasons)})"
+                )
+        if endpoint is None:
+            reasons = [*failures, *(f"{e.url}: {e.last_error}" for e in self.endpoints if e.url not in exclude)]
+            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({'; '.join(reasons)})")
+        return endpoint
+
+    async def _hold(self, wake: float) -> Endpoint | None:
+        """Wait up to ``wake`` seconds for a healthy endpoint (a stage at zero waking up), counted as held."""
+        self._held += 1
+        self._report_held()
+        if self._held == 1:
+            log.info("Stage %s has no ready replica: holding requests up to %g s while it wakes", self.name, wake)
+        if self._waker is None or self._waker.done():
+            self._waker = asyncio.create_task(self._wake_poll())
+        try:
+            async with asyncio.timeout(wake), self._probed:
+                while (endpoint := self._pick(set())) is None:
+                    await self._probed.wait()
+                return endpoint
+        except TimeoutError:
+            return None
+        finally:
+            self._held -= 1
+            self._report_held()
+
+    async def _wake_poll(self) -> None:
+        """While requests are held: resolve and probe the stage, then let the held requests look."""
+        while self._held:
+            await asyncio.sleep(WAKE_POLL)
+            if self._settings.resolve_endpoints:
+                await self.resolve_endpoints()
+            await self.check_health()
+            async with self._probed:
+                self._probed.notify_all()
+
+    def _report_held(self) -> None:
+        if self._traffic is not None:
+            self._traffic.waiting(self.name, self._held)
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         if self._client is None:
             raise StageUnavailableError(f"stage {self.name!r} client is not started")
         head = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
+        headers = {**_HEADERS, REQUEST_ID_HEADER: inp.request.request_id}
+        failures: list[str] = []
         if inp.upstream is not None:
             # A downstream stage: the body is the request frame followed by the upstream stage's frames
             # as they are produced, so this stage starts before the upstream one has finished. The
             # stream can be consumed once, so there is exactly one attempt.
-            endpoint = self._candidates()[0]
-            endpoint.in_flight += 1
+            endpoint = await self._choose(set(), failures)
+            sent = self._sent(endpoint)
+            done = False
             try:
-                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream)):
+                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream), headers):
+                    # The caller may stop reading at the final frame: that is the end of the work.
+                    done = done or isinstance(frame, FinalFrame)
                     yield frame
             finally:
-                endpoint.in_flight -= 1
+                self._finished(endpoint, sent if done else None)
             return
-        body = head
-        failures: list[str] = []
-        attempts = [(e, try_) for e in self._candidates() for try_ in range(2)]
-        for endpoint, try_ in attempts:
-            if try_ and not failures[-1].endswith(_STALE):
-                continue  # a second try on the same endpoint only after a stale pooled connection
-            endpoint.in_flight += 1
-            started = False
+        tried: set[str] = set()
+        stale_retried: set[str] = set()
+        while True:
+            endpoint = await self._choose(tried, failures)
+            sent = self._sent(endpoint)
+            started = done = False
             try:
-                async for frame in self._stream(endpoint, body):
+                async for frame in self._stream(endpoint, head, headers):
                     started = True
+                    done = done or isinstance(frame, FinalFrame)
                     yield frame
                 return
             except _RetryableError as err:
                 # Raised only before the stage produced anything, so nothing reached the caller.
                 assert not started
                 failures.append(f"{endpoint.url}: {err}")
+                # A second try on the same endpoint only after a stale pooled connection.
+                if not str(err).endswith(_STALE) or endpoint.url in stale_retried:
+                    tried.add(endpoint.url)
+                stale_retried.add(endpoint.url)
             finally:
-                endpoint.in_flight -= 1
-        raise StageUnavailableError(f"stage {self.name!r} is unavailable ({'; '.join(failures)})")
+                self._finished(endpoint, sent if done else None)
 
-    async def _duplex_stream(self, endpoint: Endpoint, body: AsyncIterator[bytes]) -> AsyncIterator[ResponseFrame]:
+    def _sent(self, endpoint: Endpoint) -> float:
+        """Count an attempt as in flight (on the endpoint, for balancing; on the stage, for autoscaling)."""
+        endpoint.in_flight += 1
+        if self._traffic is not None:
+            self._traffic.sent(self.name)
+        return time.monotonic()
+
+    def _finished(self, endpoint: Endpoint, sent: float | None) -> None:
+        """``sent`` is the attempt's start when it completed, None when it failed or was cancelled."""
+        endpoint.in_flight -= 1
+        if self._traffic is not None:
+            self._traffic.finished(self.name, None if sent is None else time.monotonic() - sent)
+
+    async def _duplex_stream(
+        self, endpoint: Endpoint, body: AsyncIterator[bytes], headers: dict[str, str]
+    ) -> AsyncIterator[ResponseFrame]:
         if self._duplex is None:
-            s = self._settings
+            t = self._timeouts
             self._duplex = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=s.connect_timeout, sock_read=s.stage_read_timeout
-                ),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.read),
                 connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             )
         try:
-            async with self._duplex.post(endpoint.generate_url, data=body, headers=_HEADERS, chunked=True) as resp:
+            async with _Watch(endpoint):
+                resp = await self._duplex.post(endpoint.generate_url, data=body, headers=headers, chunked=True)
+            async with resp:
                 if resp.status != 200:
                     raw = await resp.read()
                     raise _error_from_body(self.name, resp.status, resp.headers.get("content-type", ""), raw)
                 if (sock := resp.connection and resp.connection.transport) is not None:
                     sock.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                async with contextlib.aclosing(self._frames(endpoint, resp.content.iter_any())) as frames:
+                chunks = _watched(endpoint, resp.content.iter_any())
+                async with contextlib.aclosing(self._frames(endpoint, chunks)) as frames:
                     async for frame in frames:
                         yield frame
+        except _StalledError as err:
+            raise self._stopped_answering(endpoint) from err
         except aiohttp.ClientConnectorError as err:
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
@@ -277,11 +455,14 @@ class RemoteStage(StageHandle):
                     return
         raise StageError(f"stage {self.name!r} at {endpoint.url} ended its response without a final frame", status=502)
 
-    async def _stream(self, endpoint: Endpoint, body: bytes) -> AsyncIterator[ResponseFrame]:
+    async def _stream(self, endpoint: Endpoint, body: bytes, headers: dict[str, str]) -> AsyncIterator[ResponseFrame]:
         assert self._client is not None
-        responded = False
+        responded = yielded = False
+        request = self._client.build_request("POST", endpoint.generate_url, content=body, headers=headers)
         try:
-            async with self._client.stream("POST", endpoint.generate_url, content=body, headers=_HEADERS) as resp:
+            async with _Watch(endpoint):
+                resp = await self._client.send(request, stream=True)
+            try:
                 responded = True
                 if resp.status_code == 503:
                     await resp.aread()
@@ -289,9 +470,18 @@ class RemoteStage(StageHandle):
                     raise _RetryableError("not ready (503)")
                 if resp.status_code != 200:
                     raise await self._http_error(resp)
-                async with contextlib.aclosing(self._frames(endpoint, resp.aiter_raw())) as frames:
+                chunks = _watched(endpoint, resp.aiter_raw())
+                async with contextlib.aclosing(self._frames(endpoint, chunks)) as frames:
                     async for frame in frames:
+                        yielded = True
                         yield frame
+            finally:
+                await resp.aclose()
+        except _StalledError as err:
+            if not yielded:
+                # Nothing reached the caller: another endpoint can still answer the whole request.
+                raise _RetryableError("stopped answering (its /health timed out)") from err
+            raise self._stopped_answering(endpoint) from err
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as err:
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             raise _RetryableError(f"cannot connect ({type(err).__name__})") from err
@@ -309,10 +499,16 @@ class RemoteStage(StageHandle):
     # What went wrong mid-response, the same whichever client (httpx or aiohttp) saw it.
 
     def _silent(self, endpoint: Endpoint) -> StageError:
+        # A stalled stream: the endpoint leaves the pool until its /health answers again.
+        silence = f"sent nothing for {self._timeouts.read:g} s"
+        self._mark(endpoint, healthy=False, error=silence)
+        return StageError(f"stage {self.name!r} at {endpoint.url} {silence}", status=504, type="timeout")
+
+    def _stopped_answering(self, endpoint: Endpoint) -> StageError:
         return StageError(
-            f"stage {self.name!r} at {endpoint.url} sent nothing for {self._settings.stage_read_timeout:g} s",
-            status=504,
-            type="timeout",
+            f"stage {self.name!r} at {endpoint.url} stopped answering mid-request (its /health timed out)",
+            status=503,
+            type="service_unavailable",
         )
 
     def _lost(self, endpoint: Endpoint, err: Exception) -> StageError:
@@ -361,4 +557,8 @@ async def _streamed_body(head: bytes, upstream: AsyncIterator[ResponseFrame]) ->
 
 
 class _RetryableError(Exception):
-    """Nothing reached the stage; another endpoint may take the request."""
+    """Nothing reached the caller; another endpoint may take the request."""
+
+
+class _StalledError(Exception):
+    """The endpoint was declared stalled while a request waited on it."""

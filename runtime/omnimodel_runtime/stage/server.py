@@ -24,6 +24,7 @@ from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameError, aiter_fram
 from omnimodel_runtime.protocol.stage import GENERATE_PATH, ErrorFrame, RequestFrame, ResponseFrame, StageInput
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.web import probes
+from omnimodel_runtime.web.access import AccessLogMiddleware
 from omnimodel_runtime.web.limits import BodyLimitMiddleware
 from omnimodel_runtime.web.startup import Startup
 from omnimodel_runtime.web.streaming import StreamResponse
@@ -59,6 +60,13 @@ def build_stage_app(
         holder["engine"] = engine
 
     async def start() -> None:
+        log.info(
+            "Stage %s: loading the %s engine (task %s, model %s)",
+            stage.name,
+            stage.engine.value,
+            stage.task,
+            pipeline.model.source,
+        )
         eng = holder.get("engine")
         if eng is None:
             eng = await load_engine(stage, pipeline.model, settings, metrics)
@@ -66,6 +74,7 @@ def build_stage_app(
         metrics.track_queue_depth(eng.queue_depth)
         holder["started"] = eng
         await eng.start()
+        log.info("Stage %s: warming up", stage.name)
         await eng.warmup()
         log.info("Stage %s is ready (%s engine)", stage.name, stage.engine.value)
 
@@ -78,6 +87,7 @@ def build_stage_app(
         title=f"OmniModel stage {stage.name}", lifespan=startup.lifespan(start, stop), docs_url=None, redoc_url=None
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.stage_max_body_bytes)
+    app.add_middleware(AccessLogMiddleware, quiet_paths=probes.PROBE_PATHS)
     app.state.startup = startup
 
     @app.get("/livez")

@@ -331,11 +331,19 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     ids = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in EXTRA_TOKENS}
     eos = int(tokenizer.convert_tokens_to_ids(IM_END))
     pad = int(tokenizer.convert_tokens_to_ids(ENDOFTEXT))
-    config = _real_config(ids, eos, pad) if real else _config(ids, len(tokenizer), eos, pad)
-    # Module initialisers draw from the global RNG: the same seed must give the same bytes.
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    # The talker's codec vocabulary is smaller than the thinker token ids its config holds (as in the
+    # released model), which transformers' config validation reports once per field: 14 "unexpected
+    # behavior" lines about ids that are right. The engines load the config quietly too.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = _real_config(ids, eos, pad) if real else _config(ids, len(tokenizer), eos, pad)
+        # Module initialisers draw from the global RNG: the same seed must give the same bytes.
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
     speakers = _speakers(ids, config, seed)
     head = model.thinker.lm_head.weight
     with torch.no_grad():

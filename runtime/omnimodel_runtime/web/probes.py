@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from omnimodel_runtime.metrics import PROMETHEUS_CONTENT_TYPE, render
 from omnimodel_runtime.web.startup import Startup
+
+# Polled every few seconds by kubelets, gateways and Prometheus: their access lines are debug-level.
+PROBE_PATHS: Final = frozenset({"/livez", "/health", "/metrics"})
 
 
 def livez(startup: Startup) -> JSONResponse:

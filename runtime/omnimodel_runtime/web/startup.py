@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -13,6 +14,13 @@ from typing import Any
 from omnimodel_runtime.errors import RuntimeSetupError
 
 log = logging.getLogger(__name__)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    if len(text) > 500:
+        text = text[:500] + "…"
+    return text if isinstance(err, RuntimeSetupError) else f"{type(err).__name__}: {text}"
 
 
 class Phase(enum.StrEnum):
@@ -35,17 +43,23 @@ class Startup:
 
     def begin(self, start: Callable[[], Awaitable[None]]) -> None:
         async def run() -> None:
+            began = time.monotonic()
             try:
                 await start()
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                log.exception("Start-up failed")
-                self.phase, self.error = Phase.FAILED, f"{type(err).__name__}: {err}"
+                self.phase, self.error = Phase.FAILED, _one_line(err)
+                # One line for the operator of the process; the traceback is for --log-level debug (an
+                # expected setup error, a missing extra or a bad model source, has none worth reading).
+                log.error("Start-up failed after %.1f s: %s", time.monotonic() - began, self.error)
+                if not isinstance(err, RuntimeSetupError):
+                    log.debug("Start-up failure traceback", exc_info=err)
                 self.failed.set()
             else:
                 if self.phase is Phase.STARTING:
                     self.phase = Phase.READY
+                    log.info("Start-up finished in %.1f s", time.monotonic() - began)
             finally:
                 self.settled.set()
 

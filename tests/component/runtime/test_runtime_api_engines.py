@@ -175,3 +175,37 @@ async def test_greedy_output_equals_the_transformers_engine_called_directly(
             [f.text async for f in reference.generate(StageInput(request=request)) if isinstance(f, TextFrame)]
         )
         assert served.choices[0].message.content == direct
+
+
+@pytest.mark.parametrize("bad_prompt", [[999999], [-1], [10**23]])
+async def test_one_out_of_vocabulary_request_among_eight_good_ones_fails_alone(
+    client: openai.AsyncOpenAI, bad_prompt: list[int]
+) -> None:
+    # 999999 is within the wire format's range and reaches the engine's vocabulary check; -1 and 10**23
+    # are refused by the gateway. Either way only the bad request fails, and with a 400.
+    async def good(i: int) -> int:
+        reply = await client.chat.completions.with_raw_response.create(
+            model="text",
+            messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.status_code
+
+    async def bad() -> int:
+        try:
+            await client.completions.create(model="text", prompt=bad_prompt, max_tokens=4)
+        except openai.APIStatusError as err:
+            params.append((err.status_code, err.body))
+            return err.status_code
+        return 200
+
+    params: list[tuple[int, object]] = []
+
+    statuses = await asyncio.gather(*(good(i) for i in range(4)), bad(), *(good(i) for i in range(4, 8)))
+    assert sorted(statuses) == [200] * 8 + [400]
+    assert statuses[4] == 400
+    ((_, body),) = params
+    assert isinstance(body, dict)
+    assert body.get("param") == "prompt", body

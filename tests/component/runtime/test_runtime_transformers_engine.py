@@ -191,3 +191,31 @@ async def test_a_burst_waits_for_the_batch_window_and_starts_as_one_batch(tiny_t
         assert all(r[2].usage.completion_tokens == 6 for r in results)
     finally:
         await eng.stop()
+
+
+async def test_a_request_whose_forward_pass_fails_fails_alone_in_its_batch(
+    engine: tuple[Engine, RecordingMetrics], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-request isolation inside a batch, past validation: with the vocabulary check switched off, an id
+    beyond the embedding table reaches the prefill ("index out of range in self"). Only that request
+    fails; the requests it arrived with and the ones already decoding finish with their own answers."""
+    eng, _ = engine
+    alone = [await run(eng, p, max_tokens=12, temperature=0.0) for p in PROMPTS]
+    monkeypatch.setattr(eng, "_vocab_size", 10**9)
+
+    async def bad() -> StageError:
+        request = StageRequest(request_id="bad", prompt_token_ids=(1, 999_999), sampling=SamplingParams(max_tokens=4))
+        with pytest.raises(StageError) as info:
+            async for _ in eng.generate(StageInput(request=request)):
+                pass
+        return info.value
+
+    async def later(prompt: str) -> tuple[str, list[int], FinalFrame]:
+        await asyncio.sleep(0)  # joins the running batch a step later, with the bad one or after it
+        return await run(eng, prompt, max_tokens=12, temperature=0.0)
+
+    first, err, *rest = await asyncio.gather(
+        run(eng, PROMPTS[0], max_tokens=12, temperature=0.0), bad(), *(later(p) for p in PROMPTS[1:])
+    )
+    assert "index out of range" in err.message
+    assert [first, *rest] == alone

@@ -329,6 +329,19 @@ async def test_a_stage_refuses_a_size_its_model_cannot_draw_with_a_400(split: De
     assert err.value.param == "size"
 
 
+async def test_one_step_is_a_400_naming_the_field_on_a_scheduler_with_a_terminal_shift(
+    split: Deployed, whole: Deployed
+) -> None:
+    # Qwen-Image's schedule divides by zero at one step: diffusers would return an all-black image.
+    for deployed in (split, whole):
+        with pytest.raises(StageError) as err:
+            await generate(deployed, "a cat", num_inference_steps=1)
+        assert (err.value.status, err.value.param) == (400, "num_inference_steps")
+        assert "at least 2" in err.value.message
+    image = await generate(split, "a cat", num_inference_steps=2, seed=1)
+    assert image.any()  # two steps draw something
+
+
 @pytest.mark.parametrize(
     ("params", "loc"),
     [

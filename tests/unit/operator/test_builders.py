@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,21 @@ def test_provider_hpa_renders_a_horizontal_pod_autoscaler() -> None:
     # An HPA on cpu needs a cpu request to divide by: the default one is there.
     requests = out[("Deployment", "speech-acoustic")]["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert requests["requests"]["cpu"] == "500m"
+
+
+def test_stages_that_may_sit_at_zero_are_held_for_by_the_gateway() -> None:
+    spec = {
+        "model": {"source": "tiny://qwen2.5-omni"},
+        "preset": "qwen2.5-omni",
+        "stages": [
+            {"name": "talker", "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "wakeTimeoutSeconds": 90}},
+            {"name": "code2wav", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+            {"name": "thinker", "autoscaling": {"maxReplicas": 2}},
+        ],
+    }
+    gw = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))[("Deployment", "m-gateway")]
+    env = {e["name"]: e.get("value") for e in container(gw)["env"]}
+    assert json.loads(env["OMNIMODEL_STAGE_WAKE"]) == {"talker": 90, "code2wav": 300}
+    del spec["stages"][:2]
+    gw = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))[("Deployment", "m-gateway")]
+    assert "OMNIMODEL_STAGE_WAKE" not in {e["name"] for e in container(gw)["env"]}

@@ -170,3 +170,20 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     )  # fmt: skip
     assert [c.last_transition_time for c in later.conditions or ()] == [NOW] * 3
     assert {c.observed_generation for c in later.conditions or ()} == {3}
+
+
+def test_a_stage_the_autoscaler_took_to_zero_still_serves_on_demand() -> None:
+    """minReplicas 0: the gateway holds the talker's requests while it wakes, so speech stays served."""
+    spec = {
+        "model": {"source": "tiny://qwen2.5-omni"},
+        "preset": "qwen2.5-omni",
+        "stages": [{"name": "talker", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}],
+    }
+    wakeable = resolve("m", "ml", spec, SETTINGS, uid="u")
+    talker = component_state("talker", deployment(0, updated=0, available=0), [])
+    status = compute_status(wakeable, [ready("thinker"), talker, ready("code2wav")], ready("gateway"), {},
+                            OmniModelStatus(), 2, NOW, Problems())  # fmt: skip
+    assert conditions(status)[cond.READY] == ("True", cond.ALL_READY)
+    assert "talker idle at 0 replicas" in next(c.message for c in status.conditions or () if c.type == cond.READY)
+    assert status.served_modalities == ["text", "audio"]
+    assert status.stages[1].reason == cond.SCALED_TO_ZERO  # type: ignore[index]

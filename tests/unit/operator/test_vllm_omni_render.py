@@ -152,6 +152,8 @@ def test_without_a_deploy_config_the_single_stage_settings_travel_on_the_command
          "spec.stages[talker].engineArgs.devices", "operator"),
         ([{"name": "talkr"}], "hf://o/m", "spec", "has no stage 'talkr'"),
         ([{"name": "talker", "engine": "vllm"}], "hf://o/m", "spec", "fixes engine"),
+        ([{"name": "talker", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}], "hf://o/m", "spec",
+         "cannot scale to zero"),
         (None, "tiny://qwen2.5-omni", "spec.model.source", "file://"),
     ],
 )  # fmt: skip

@@ -60,3 +60,13 @@ async def test_a_stream_is_raw_pcm_and_chunked_on_code2wav(omni: OmniServe, http
     assert resp.content == pcm_of_the_pipeline()
     request = omni.code2wav.requests[0].request
     assert (request.stream, request.sampling.seed) == (True, 3)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63])
+async def test_a_seed_no_generator_takes_is_a_400_naming_it(
+    omni: OmniServe, http: httpx.AsyncClient, seed: int
+) -> None:
+    resp = await http.post("/v1/audio/speech", json={"model": "qwen2.5-omni", "input": "Read me.", "seed": seed})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "seed"
+    assert omni.thinker.requests == []

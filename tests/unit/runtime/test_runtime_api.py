@@ -125,6 +125,15 @@ async def test_completions_default_max_tokens_is_openais_16(client: openai.Async
         ({"model": "text", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
         ({"model": "text", "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": "text"}, 400, "messages"),
+        # Accepted by OpenAI, not implemented here: refused naming the field, never silently ignored.
+        ({"model": "text", "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "text", "messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+        ({"model": "text", "messages": USER, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"model": "text", "messages": USER, "frequency_penalty": -1}, 400, "frequency_penalty"),
+        ({"model": "text", "messages": USER, "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+        ({"model": "text", "messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+        ({"model": "text", "messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
+        ({"model": "text", "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ],
 )
 async def test_bad_chat_requests_get_4xx_envelopes(
@@ -148,12 +157,33 @@ async def test_bad_chat_requests_get_4xx_envelopes(
         ({"model": "text", "prompt": "x", "echo": True}, "echo"),
         ({"model": "text", "prompt": "x", "logprobs": 2}, "logprobs"),
         ({"model": "text", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": "text", "prompt": "x", "best_of": 3}, "best_of"),
+        ({"model": "text", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ({"model": "text", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"model": "text", "prompt": [-1]}, "prompt"),
+        ({"model": "text", "prompt": [10**23]}, "prompt"),
     ],
 )
 async def test_bad_completion_requests_get_400(http: httpx.AsyncClient, body: dict[str, object], param: str) -> None:
     resp = await http.post("/v1/completions", json=body)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == param
+
+
+async def test_neutral_values_of_unimplemented_parameters_are_accepted(
+    http: httpx.AsyncClient, fake_serve: FakeServe
+) -> None:
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+    }
+    resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER, **neutral})
+    assert resp.status_code == 200
+    resp = await http.post("/v1/completions", json={"model": "text", "prompt": "x", "best_of": 1, "logit_bias": None})
+    assert resp.status_code == 200
 
 
 async def test_malformed_json_is_400_with_envelope(http: httpx.AsyncClient) -> None:
@@ -306,3 +336,40 @@ async def test_metrics_count_requests_and_stage_work(client: openai.AsyncOpenAI,
     assert 'omnimodel_http_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert 'omnimodel_stage_requests_total{outcome="ok",stage="llm"} 1.0' in text
     assert 'omnimodel_requests_in_flight{stage="llm"} 0.0' in text
+
+
+async def test_every_request_gets_an_access_line_and_an_id_that_names_its_stage_request(
+    http: httpx.AsyncClient, fake_serve: FakeServe, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from omnimodel_runtime.web.access import JSONFormatter
+
+    with caplog.at_level(logging.DEBUG, logger="omnimodel_runtime.access"):
+        ok = await http.post(
+            "/v1/chat/completions", json={"model": "text", "messages": USER}, headers={"x-request-id": "client-7"}
+        )
+        bad = await http.post("/v1/chat/completions", json={"model": "text", "messages": []})
+        await http.get("/health")
+    assert ok.headers["x-request-id"] == "client-7"
+    assert len(bad.headers["x-request-id"]) == 32
+    # The stage request carries the same id, so a stage's log lines can be tied to the client's request.
+    (inp,) = fake_serve.engine.requests
+    assert inp.request.request_id == "client-7"
+    assert ok.json()["id"] == "chatcmpl-client-7"
+    lines = [r for r in caplog.records if r.name == "omnimodel_runtime.access"]
+    assert [(r.levelname, r.getMessage().split(" ms")[0].rsplit(" ", 1)[0]) for r in lines] == [
+        ("INFO", "POST /v1/chat/completions 200"),
+        ("INFO", "POST /v1/chat/completions 400"),
+        ("DEBUG", "GET /health 200"),  # probes are polled every second: debug only
+    ]
+    record = json.loads(JSONFormatter().format(lines[0]))
+    assert {k: record[k] for k in ("level", "logger", "method", "path", "status", "request_id")} == {
+        "level": "info",
+        "logger": "omnimodel_runtime.access",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "request_id": "client-7",
+    }
+    assert record["latency_ms"] >= 0

@@ -124,3 +124,101 @@ def test_engine_registry_names_what_it_knows_and_what_is_missing(monkeypatch: py
     monkeypatch.delitem(sys.modules, "omnimodel_runtime.engines.text.vllm", raising=False)
     with pytest.raises(ExtraMissingError, match=r"omnimodel\[vllm\]"):
         engine_class(EngineName.VLLM, "text-generation")
+
+
+def _actions(parser: object) -> list[tuple[str, object]]:
+    """Every (command, action) of the parser and its subcommands."""
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    out: list[tuple[str, object]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += [(f"{parser.prog} {name}", a) for _, a in _actions(sub)]
+        else:
+            out.append((parser.prog, action))
+    return out
+
+
+def test_every_help_entry_is_described() -> None:
+    import argparse
+
+    undescribed = [
+        (prog, action.option_strings or action.dest)
+        for prog, action in _actions(build_parser())
+        if isinstance(action, argparse.Action) and not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert undescribed == []
+
+
+def test_serve_runs_a_vllm_stage_on_transformers_unless_told_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from omnimodel_runtime.cli import _log_choices
+
+    local = serve_pipeline("text", "tiny://text", local_defaults=True)
+    assert local.stage("llm").engine is EngineName.TRANSFORMERS
+    assert serve_pipeline("text", "tiny://text", engines=["vllm"], local_defaults=True).stage("llm").engine is (
+        EngineName.VLLM
+    )
+    # The operator's default (what a cluster runs) is still the preset's.
+    assert serve_pipeline("text", "tiny://text").stage("llm").engine is EngineName.VLLM
+    with caplog.at_level(logging.INFO, logger="omnimodel_runtime.cli"):
+        _log_choices(local, [])
+    assert "Stage llm: transformers engine, task text-generation (the preset's engine is vllm" in caplog.text
+
+
+def test_a_tiny_model_of_another_preset_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--preset", "text", "--model", "tiny://tts"]) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "omnimodel serve: model: tiny://tts is the tiny model of preset 'tts'; --preset text needs tiny://text"
+    )
+
+
+def test_pipeline_command_writes_the_file_stage_and_gateway_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omnimodel_runtime.pipeline import load_pipeline
+
+    out = tmp_path / "p.json"
+    argv = ["pipeline", "--preset", "qwen2.5-omni", "--model", "tiny://qwen2.5-omni", "--out", str(out)]
+    urls = ["thinker=http://127.0.0.1:8001", "talker=http://127.0.0.1:8002", "code2wav=http://127.0.0.1:8003"]
+    assert main([*argv, *(f"--stage-url={u}" for u in urls), "--stage-url", "thinker=http://127.0.0.1:8011/"]) == 0
+    pipeline = load_pipeline(out)
+    assert pipeline.stage("thinker").endpoints == ("http://127.0.0.1:8001", "http://127.0.0.1:8011")
+    assert pipeline.stage("code2wav").endpoints == ("http://127.0.0.1:8003",)
+    capsys.readouterr()
+    assert main([*argv, f"--stage-url={urls[0]}"]) == EXIT_CONFIG
+    assert "every stage needs a --stage-url; missing: talker, code2wav" in capsys.readouterr().err
+    assert main([*argv, "--stage-url", "thinker:8001"]) == EXIT_CONFIG
+    assert "STAGE=http://HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_and_nothing_loads(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import socket
+
+    from omnimodel_runtime.cli import EXIT_FAILED, run_app
+    from omnimodel_runtime.serve import build_serve_app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = RuntimeSettings(port=port)
+        app = build_serve_app(settings, serve_pipeline("text", "tiny://text", engines=["transformers"]))
+        with caplog.at_level(logging.INFO):
+            assert run_app(app, settings) == EXIT_FAILED
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"Cannot listen on 127.0.0.1:{port}" in record.getMessage()
+    assert "in use" in record.getMessage()
+    assert record.exc_info is None
+    assert app.state.startup.phase.value == "starting"  # the engine never started loading
+
+
+def test_every_setting_is_documented() -> None:
+    doc = (Path(__file__).parents[3] / "docs" / "settings.md").read_text()
+    missing = [name for name in RuntimeSettings.model_fields if f"`OMNIMODEL_{name.upper()}`" not in doc]
+    assert missing == []

@@ -311,3 +311,95 @@ async def test_hostnames_expand_to_one_endpoint_per_address_and_keep_their_state
     kept.in_flight = 3
     await remote.resolve_endpoints()
     assert next(e for e in remote.endpoints if e.url == "http://127.0.0.1:8123") is kept
+
+
+def test_per_stage_timeouts_override_the_process_wide_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIMODEL_STAGE_TIMEOUTS", '{"denoise": {"read": 900}, "talker": {"health": 3}}')
+    monkeypatch.setenv("OMNIMODEL_HEALTH_TIMEOUT", "0.5")
+    settings = RuntimeSettings()
+    denoise, talker, other = (settings.timeouts_for(s) for s in ("denoise", "talker", "llm"))
+    assert (denoise.read, denoise.health, denoise.connect) == (900, 0.5, 3.0)
+    assert (talker.read, talker.health) == (120.0, 3)
+    assert (other.read, other.health) == (120.0, 0.5)
+    monkeypatch.setenv("OMNIMODEL_STAGE_TIMEOUTS", '{"talker": {"helth": 3}}')
+    with pytest.raises(ValueError, match="helth"):
+        RuntimeSettings()
+
+
+class WakingCluster(Cluster):
+    """The stage listed in stage_wake, its replica not there yet (a stage the autoscaler took to zero)."""
+
+    def __init__(self, wake: float) -> None:
+        super().__init__(("http://stage-a:8001",), live=())
+        from prometheus_client import CollectorRegistry
+
+        from omnimodel_runtime.metrics import StageTraffic
+
+        self.settings = RuntimeSettings(health_interval=3600, stage_wake={"llm": wake}, resolve_endpoints=False)
+        registry = CollectorRegistry()
+        self.remote = RemoteStage(
+            self.pipeline.entry, self.settings, transport=self.router, traffic=StageTraffic(registry)
+        )
+        self.gateway = build_app(self.settings, self.pipeline, {"llm": self.remote}, registry=registry)
+
+    def replica(self) -> FastAPI:
+        """The stage's first replica, reachable at its address once its lifespan runs."""
+        stage = self.pipeline.entry
+        app = build_stage_app(self.settings, self.pipeline, stage.name, engine=FakeEngine(fake_context(stage)))
+        self.router.add("stage-a:8001", app)
+        return app
+
+
+def _sample(page: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("stage") == "llm":
+                return float(sample.value)
+    raise AssertionError(f"{name} not exported")
+
+
+async def test_a_request_for_a_stage_at_zero_is_held_until_a_replica_answers() -> None:
+    cluster = WakingCluster(wake=30)
+    async with cluster.running() as http:
+        # Nothing to serve, yet ready: the stage wakes on demand.
+        assert (await http.get("/health")).status_code == 200
+        chat = asyncio.create_task(
+            http.post("/v1/chat/completions", json={"model": "text", "messages": USER, "max_tokens": 2})
+        )
+        held = lambda: cluster.remote.describe()["held"] == 1  # noqa: E731
+        await _until(held)
+        page = (await http.get("/metrics")).text
+        assert _sample(page, "omnimodel_gateway_stage_waiting") == 1
+        assert _sample(page, "omnimodel_gateway_stage_in_flight") == 0
+        assert not chat.done()
+        async with lifespan(cluster.replica()):
+            resp = await asyncio.wait_for(chat, 10)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["message"]["content"] == " w0 w1"
+            page = (await http.get("/metrics")).text
+            assert _sample(page, "omnimodel_gateway_stage_waiting") == 0
+            assert _sample(page, "omnimodel_gateway_stage_in_flight") == 0
+            assert _sample(page, "omnimodel_gateway_stage_request_seconds_count") == 1
+
+
+async def test_a_stage_that_does_not_wake_in_time_fails_the_request_with_a_503_naming_it() -> None:
+    cluster = WakingCluster(wake=0.6)
+    async with cluster.running() as http:
+        began = time.monotonic()
+        resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER, "max_tokens": 2})
+        assert resp.status_code == 503
+        assert "stage 'llm' has no ready replica: none woke within 0.6 s" in resp.json()["error"]["message"]
+        assert 0.5 < time.monotonic() - began < 5
+        assert cluster.remote.describe()["held"] == 0
+
+
+async def test_a_stage_that_cannot_wake_fails_at_once() -> None:
+    """Without stage_wake, no replica means a fast 503 (a crashed stage must not hold requests)."""
+    cluster = Cluster(("http://stage-a:8001",), live=())
+    async with cluster.running() as http:
+        assert (await http.get("/health")).status_code == 503
+        began = time.monotonic()
+        resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER, "max_tokens": 2})
+        assert resp.status_code == 503 and time.monotonic() - began < 2

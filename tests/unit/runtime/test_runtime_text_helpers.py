@@ -86,13 +86,13 @@ def _request(**kwargs: Any) -> StageRequest:
 
 
 def test_chat_messages_go_through_the_template_with_a_generation_prompt() -> None:
-    ids = render_prompt(ByteTokenizer(), _request(messages=({"role": "user", "content": "hi"},)))
+    ids = render_prompt(ByteTokenizer(), _request(messages=({"role": "user", "content": "hi"},)), vocab_size=256)
     assert bytes(ids) == b"<user>hi<assistant>"
 
 
 def test_prompt_and_token_ids_are_used_as_given() -> None:
-    assert render_prompt(ByteTokenizer(), _request(prompt="ab")) == [97, 98]
-    assert render_prompt(ByteTokenizer(), _request(prompt_token_ids=(5, 6))) == [5, 6]
+    assert render_prompt(ByteTokenizer(), _request(prompt="ab"), vocab_size=256) == [97, 98]
+    assert render_prompt(ByteTokenizer(), _request(prompt_token_ids=(5, 6)), vocab_size=256) == [5, 6]
 
 
 @pytest.mark.parametrize(
@@ -101,8 +101,28 @@ def test_prompt_and_token_ids_are_used_as_given() -> None:
 )
 def test_unusable_inputs_are_400(kwargs: dict[str, Any]) -> None:
     with pytest.raises(StageError) as info:
-        render_prompt(ByteTokenizer(), _request(**kwargs))
+        render_prompt(ByteTokenizer(), _request(**kwargs), vocab_size=256)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("ids", [(256,), (1, 999999, 2)])
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_prompt(ids: tuple[int, ...]) -> None:
+    with pytest.raises(StageError) as info:
+        render_prompt(ByteTokenizer(), _request(prompt_token_ids=ids), vocab_size=256)
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert "out of vocabulary" in info.value.message
+
+
+@pytest.mark.parametrize("ids", [[-1], [10**23], [2**31]])
+def test_token_ids_no_vocabulary_has_are_refused_by_the_wire_models(ids: list[int]) -> None:
+    from pydantic import ValidationError
+
+    from omnimodel_runtime.protocol.openai import CompletionRequest
+
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=ids)
+    with pytest.raises(ValidationError):
+        _request(prompt_token_ids=tuple(ids))
 
 
 def test_sampling_defaults_come_from_the_model_and_fill_the_context(tmp_path: Path) -> None:

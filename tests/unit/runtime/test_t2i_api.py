@@ -175,6 +175,10 @@ async def test_a_fixed_seed_repeats_and_another_seed_differs(client: openai.Asyn
         ({"seed": -1}, "seed"),
         ({"response_format": "url"}, "response_format"),
         ({"output_format": "jpeg"}, "output_format"),
+        ({"quality": "hd"}, "quality"),
+        ({"style": "vivid"}, "style"),
+        ({"background": "transparent"}, "background"),
+        ({"output_compression": 50}, "output_compression"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field_and_no_stage_runs(

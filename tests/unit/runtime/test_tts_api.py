@@ -253,3 +253,16 @@ async def test_speech_routes_exist_only_where_the_pipeline_serves_speech(
     assert (await http.get("/v1/audio/voices")).status_code == 404
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert (await speech_http.post("/v1/chat/completions", json=chat)).status_code == 404
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
+async def test_a_seed_no_generator_takes_is_a_400_naming_it(
+    tts: tuple[httpx.AsyncClient, FakeAcoustic], seed: int
+) -> None:
+    http, acoustic = tts
+    resp = await http.post("/v1/audio/speech", json={"model": "tts", "input": "Hi", "seed": seed})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "seed"
+    assert acoustic.requests == []
+    ok = await http.post("/v1/audio/speech", json={"model": "tts", "input": "Hi", "seed": 2**63 - 1})
+    assert ok.status_code == 200

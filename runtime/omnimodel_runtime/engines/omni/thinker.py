@@ -60,6 +60,7 @@ from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
     IncrementalDetokenizer,
     ResolvedSampling,
+    check_token_ids,
     render_prompt,
     resolve_sampling,
 )
@@ -104,8 +105,7 @@ def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[i
     given = request.params.reply_ids
     if given is None:
         return None
-    if not all(0 <= t < vocab for t in given):
-        raise StageError(f"reply_ids must be a list of token ids below {vocab}", status=400)
+    check_token_ids(given, vocab, param="reply_ids")
     if eos.intersection(given):
         # generate() would stop at it: the reply would end early and silently.
         raise StageError("reply_ids must not contain end-of-sequence tokens", status=400)
@@ -253,7 +253,7 @@ class OmniThinkerEngine(OmniEngine):
             prompt_ids, reply = self.speech_prompt(text)
         else:
             _only_text(request)
-            prompt_ids = render_prompt(self._tokenizer, request)
+            prompt_ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab)
             reply = _reply_ids(request, self._vocab, self._defaults.eos_token_ids)
         if reply is not None:
             if not reply:
@@ -294,7 +294,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.model.model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
+            hooks.append(self.text_model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
@@ -442,8 +442,10 @@ class OmniThinkerEngine(OmniEngine):
             elif sampling.greedy or row.generator is None:
                 out.append(greedy[i])
             else:
-                scores = logits[i : i + 1]
-                scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
+                # In float64 and shifted so the best token scores 0: the smallest temperature the API
+                # accepts (down to 5e-324, which float32 rounds to 0) then gives the others -inf, not nan.
+                scores = logits[i : i + 1].double()
+                scores = TemperatureLogitsWarper(sampling.temperature)(None, scores - scores.max())
                 if sampling.top_p < 1.0:
                     scores = TopPLogitsWarper(sampling.top_p)(None, scores)
                 probs = torch.softmax(scores, dim=-1)
@@ -456,6 +458,15 @@ class OmniThinkerEngine(OmniEngine):
             self._slots.release(row, lambda r: int(r.length))
 
     # ------------------------------------------------------------ rows for the talker
+
+    @property
+    def text_model(self) -> Any:
+        """The thinker's text decoder: the module called with the step's ``inputs_embeds`` whose output's
+        ``last_hidden_state`` is final-normed. transformers 5.19 keeps it at ``thinker.model``; in 5.24
+        ``thinker.model`` is the multimodal model and the decoder is its ``language_model`` (with the old
+        attribute, the hook saw ``inputs_embeds=None``: "'NoneType' object is not subscriptable")."""
+        inner = self.model.model
+        return getattr(inner, "language_model", inner)
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The talker's speaker-bos, text-end and text-pad embeddings (thinker ``embed_tokens`` rows)."""

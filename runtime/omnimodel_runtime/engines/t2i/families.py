@@ -55,6 +55,10 @@ class PipelineDefaults:
     guidance_distilled: bool
     # Prompt tokens the pipeline keeps (``__call__``'s default); encode truncates to it as the pipeline does.
     max_sequence_length: int
+    # Fewest steps the scheduler can run: a flow-matching schedule with a terminal shift (Qwen-Image's)
+    # stretches ``1 - sigma`` to end at ``shift_terminal``, dividing by zero for one step (the image is
+    # all NaN, then black); without one a single step is valid (FLUX schnell).
+    min_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Family(abc.ABC):
             guidance_scale=None if guidance is None else float(guidance),
             guidance_distilled=bool(transformer.get("guidance_embeds", False)),
             max_sequence_length=int(call["max_sequence_length"].default),
+            min_steps=2 if _scheduler_config(model_dir).get("shift_terminal") else 1,
         )
 
     def default_sample_size(self, transformer_config: Mapping[str, Any]) -> int:
@@ -284,6 +289,11 @@ class FluxFamily(Family):
 
 
 FAMILIES: Final[Mapping[str, Family]] = {f.pipeline_class: f for f in (QwenImageFamily(), FluxFamily())}
+
+
+def _scheduler_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "scheduler" / "scheduler_config.json"
+    return read_config(path) if path.is_file() else {}
 
 
 def read_config(path: Path) -> dict[str, Any]:

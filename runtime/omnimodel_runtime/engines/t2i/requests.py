@@ -79,6 +79,13 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
     true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else defaults.true_cfg_scale
     # The pipeline's own rule: real classifier-free guidance needs a negative prompt and a scale above 1.
     cfg = params.negative_prompt is not None and true_cfg > 1
+    steps = params.num_inference_steps or defaults.steps
+    if steps < defaults.min_steps:
+        raise StageError(
+            f"num_inference_steps must be at least {defaults.min_steps} for this model's scheduler (got {steps})",
+            status=400,
+            param="num_inference_steps",
+        )
     guidance = None
     if defaults.guidance_distilled:
         guidance = params.guidance_scale if params.guidance_scale is not None else defaults.guidance_scale
@@ -86,7 +93,7 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
         n=params.n,
         width=width,
         height=height,
-        steps=params.num_inference_steps or defaults.steps,
+        steps=steps,
         cfg=cfg,
         true_cfg_scale=true_cfg,
         guidance_scale=guidance,

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import StageRequest
@@ -55,6 +55,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+SAMPLING_EPS: Final = 1e-5
+
+
 @dataclass(frozen=True)
 class ResolvedSampling:
     """Sampling with every default filled in and limits checked."""
@@ -68,11 +71,28 @@ class ResolvedSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing the logits by the temperature only overflows (the API accepts any float
+        # down to 5e-324): it is the best token anyway, so draw it without sampling (vLLM does the same).
+        return self.temperature < SAMPLING_EPS
 
 
-def render_prompt(tokenizer: Tokenizer, request: StageRequest) -> list[int]:
-    """The prompt token ids of a text-generation request.
+def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str = "prompt") -> None:
+    """A 400 naming ``param`` unless every id indexes the model's vocabulary (``0 <= id < vocab_size``).
+
+    Checked on the event loop before a request joins a batch: an id outside the embedding table fails the
+    forward pass it is in ("index out of range in self"), and with it every other row of that step.
+    """
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise StageError(
+            f"token id {bad} is out of vocabulary (this model's token ids are 0 to {vocab_size - 1})",
+            status=400,
+            param=param,
+        )
+
+
+def render_prompt(tokenizer: Tokenizer, request: StageRequest, *, vocab_size: int) -> list[int]:
+    """The prompt token ids of a text-generation request, each checked against ``vocab_size``.
 
     Chat messages go through the tokenizer's chat template with the generation prompt appended and are
     then tokenized without adding special tokens (the template already has them), as vLLM's server does.
@@ -96,6 +116,7 @@ def render_prompt(tokenizer: Tokenizer, request: StageRequest) -> list[int]:
         ids = tokenizer.encode(request.prompt or "")
     if not ids:
         raise StageError("the prompt is empty", status=400, param="prompt")
+    check_token_ids(ids, vocab_size)
     return ids
 
 

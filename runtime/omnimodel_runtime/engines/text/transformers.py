@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.compat import cache_kwargs
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
 from omnimodel_runtime.engines.text.common import (
@@ -109,6 +110,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
         self._detok_tokenizer: Any = None
         self._defaults = GenerationDefaults()
         self._max_model_len = 0
+        self._vocab_size = 0
         self._pad_id = 0
 
     # ------------------------------------------------------------------ event loop side
@@ -129,7 +131,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         self.require_running()
         request = inp.request
-        prompt_ids = render_prompt(self._tokenizer, request)
+        prompt_ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab_size)
         sampling = resolve_sampling(
             request, self._defaults, prompt_len=len(prompt_ids), max_model_len=self._max_model_len
         )
@@ -165,6 +167,8 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
         self._defaults = GenerationDefaults.from_model_dir(model_dir)
         config_len = getattr(model.config, "max_position_embeddings", None) or 2048
         self._max_model_len = int(self._max_model_len_arg or config_len)
+        # Rows of the embedding table: the ids a forward pass can take (the tokenizer may know fewer).
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         pad = self._tokenizer.pad_token_id
         if pad is None:
             pad = next(iter(self._defaults.eos_token_ids), 0)
@@ -210,15 +214,16 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
                     self.refuse(seq)
                 return
             new = [s for s in new if not s.cancelled]
-            try:
-                if new:
-                    batch = self._prefill(new, batch)
-                if batch is not None:
+            if new:
+                batch = self._admit(new, batch)
+            if batch is not None:
+                running = batch.rows
+                try:
                     batch = self._decode(batch)
-            except Exception as err:  # a failed forward pass fails its batch, not the engine
-                for seq in [*new, *(batch.rows if batch else [])]:
-                    self.fail(seq, err)
-                batch = None
+                except Exception as err:  # a failed decode step fails its batch, not the engine
+                    for seq in running:
+                        self.fail(seq, err)
+                    batch = None
 
     # ------------------------------------------------------------------ static decode
 
@@ -236,21 +241,35 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             new = [s for s in new if not s.cancelled]
             try:
                 if new:
-                    self._prefill_static(new)
+                    self._admit_static(new)  # a failed prefill fails only its own rows
                 gone = [s for s in slots.holders if s.cancelled or self.drop_if_expired(s)]
                 for seq in gone:
                     slots.release(seq, _length)
                 if slots.holders:
                     self._decode_static(list(slots.holders))
-            except Exception as err:  # a failed forward pass fails its batch, not the engine
+            except Exception as err:  # a failed decode step fails its batch, not the engine
                 for seq in [*new, *slots.holders]:
                     self.fail(seq, err)
                 while slots.holders:
                     slots.release(slots.holders[-1], _length)
 
-    def _prefill_static(self, new: list[_Seq]) -> None:
-        """The new prompts together (left-padded), each one's cache (padding stripped) into its slot."""
-        assert self._slots is not None
+    def _admit_static(self, new: list[_Seq]) -> None:
+        """Prefill ``new`` into free slots. Nothing is sent or written to a slot until the forward pass
+        has succeeded, so a failure is the new rows' alone: the group is then prefilled one row at a
+        time, and only a row that fails by itself is answered with its error (as in ``_admit``)."""
+        try:
+            width, out, cache = self._prefill_static(new)
+        except Exception as err:
+            if len(new) == 1:
+                self.fail(new[0], err)
+                return
+            for seq in new:
+                self._admit_static([seq])
+            return
+        self._seat_static(new, width, out.logits[:, -1, :], cache)
+
+    def _prefill_static(self, new: list[_Seq]) -> tuple[int, Any, DynamicCache]:
+        """The new prompts' forward pass together (left-padded); sends nothing."""
         width = max(len(s.prompt_ids) for s in new)
         ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
@@ -264,12 +283,17 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             input_ids=ids.to(self._device),
             attention_mask=mask.to(self._device) if len(new) > 1 else None,
             position_ids=positions.to(self._device),
-            past_key_values=cache,
+            **cache_kwargs(self._model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
         self.context.metrics.observe_batch(len(new))
-        tokens = self._sample(out.logits[:, -1, :], new)
+        return width, out, cache
+
+    def _seat_static(self, new: list[_Seq], width: int, logits: torch.Tensor, cache: DynamicCache) -> None:
+        """Each new row's first token out, and its cache (padding stripped) into its slot."""
+        assert self._slots is not None
+        tokens = self._sample(logits, new)
         finished = set(self._advance(new, tokens))
         layers = _layers(cache)
         for i, seq in enumerate(new):
@@ -297,7 +321,28 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
 
     # ------------------------------------------------------------------ dynamic decode
 
-    def _prefill(self, new: list[_Seq], batch: _Batch | None) -> _Batch | None:
+    def _admit(self, new: list[_Seq], batch: _Batch | None) -> _Batch | None:
+        """Prefill ``new`` into the running batch. The running rows are untouched until a prefill has
+        succeeded (it builds a cache of its own), so a failure is the new rows' alone: the group is then
+        prefilled one row at a time, and only a row that fails by itself is answered with its error.
+        One bad request never fails the requests it happened to arrive with, nor those already running."""
+        try:
+            merged, tokens = self._prefill(new, batch)
+        except Exception as err:
+            if len(new) == 1:
+                self.fail(new[0], err)
+                return batch
+            for seq in new:
+                batch = self._admit([seq], batch)
+            return batch
+        # From here on frames go out: nothing below is retried.
+        offset = len(merged.rows) - len(new)
+        finished = self._advance(new, tokens)
+        return self._retire(merged, {offset + i for i in finished})
+
+    def _prefill(self, new: list[_Seq], batch: _Batch | None) -> tuple[_Batch, list[int]]:
+        """The running batch with ``new`` prefilled into it, and each new row's first token; sends nothing
+        and leaves ``batch`` as it was (the merged batch has a cache of its own)."""
         width = max(len(s.prompt_ids) for s in new)
         ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
@@ -311,17 +356,14 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             input_ids=ids.to(self._device),
             attention_mask=mask.to(self._device),
             position_ids=positions.to(self._device),
-            past_key_values=cache,
+            **cache_kwargs(self._model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
         self.context.metrics.observe_batch(len(new))
         fresh = _Batch(rows=new, cache=cache, mask=mask.to(self._device), next_pos=mask.sum(-1).to(self._device))
         merged = fresh if batch is None else _merge(batch, fresh)
-        tokens = self._sample(out.logits[:, -1, :], new)
-        offset = len(merged.rows) - len(new)
-        finished = self._advance(new, tokens)
-        return self._retire(merged, {offset + i for i in finished})
+        return merged, self._sample(out.logits[:, -1, :], new)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         gone = {i for i, s in enumerate(batch.rows) if s.cancelled or self.drop_if_expired(s)}
@@ -337,7 +379,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             input_ids=ids,
             attention_mask=batch.mask,
             position_ids=batch.next_pos.unsqueeze(1),
-            past_key_values=batch.cache,
+            **cache_kwargs(self._model, batch.cache),
             use_cache=True,
         )
         batch.next_pos = batch.next_pos + 1
@@ -353,7 +395,11 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             if s.greedy:
                 tokens.append(int(greedy[i]))
                 continue
-            scores = logits[i].float() / s.temperature
+            # In float64 and shifted so the best token scores 0 before the division: the smallest
+            # temperature the API accepts (any float > 0, down to 5e-324, which float32 rounds to 0) then
+            # gives the others -inf instead of 0/0 = nan.
+            row = logits[i].double()
+            scores = (row - row.max()) / s.temperature
             if s.top_p < 1.0:
                 sorted_scores, order = torch.sort(scores, descending=True)
                 probs = torch.softmax(sorted_scores, dim=-1)

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -56,6 +57,7 @@ class VllmTextEngine(Engine):
         self._tokenizer: Any = None
         self._defaults = GenerationDefaults()
         self._max_model_len = 0
+        self._vocab_size = 0
         self._waiting = 0
 
     def engine_args(self) -> dict[str, Any]:
@@ -79,6 +81,8 @@ class VllmTextEngine(Engine):
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
         self._engine = engine
         self._max_model_len = int(engine.model_config.max_model_len)
+        # vLLM's own rule (renderers/base.py validate_token_ids): an id the tokenizer or the model knows.
+        self._vocab_size = max(len(self._tokenizer), int(engine.model_config.get_vocab_size()))
         log.info("Started vLLM for stage %s (%s)", self.stage.name, args)
 
     async def warmup(self) -> None:
@@ -119,10 +123,13 @@ class VllmTextEngine(Engine):
         if engine is None:
             raise StageError("the engine is not running", status=503, type="service_unavailable")
         request = inp.request
-        ids = render_prompt(self._tokenizer, request)
+        ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab_size)
         sampling = resolve_sampling(request, self._defaults, prompt_len=len(ids), max_model_len=self._max_model_len)
         prompt = parse_model_prompt(engine.model_config, {"prompt_token_ids": ids})
-        (engine_input,) = await engine.renderer.render_cmpl_async([prompt])
+        try:
+            (engine_input,) = await engine.renderer.render_cmpl_async([prompt])
+        except (VLLMClientError, ValueError) as err:  # vLLM's input validation: the request's fault
+            raise StageError(str(err), status=400) from err
         # vLLM ids must be unique among live requests; a retried gateway request keeps its id.
         request_id = f"{request.request_id}-{secrets.token_hex(4)}"
         completion_tokens = 0
@@ -143,7 +150,7 @@ class VllmTextEngine(Engine):
                     reason = delta.finish_reason or "stop"
                     yield FinalFrame(reason, Usage(len(ids), completion_tokens))
                     return
-        except ValueError as err:  # vLLM's input validation
+        except (VLLMClientError, ValueError) as err:  # vLLM's input validation
             raise StageError(str(err), status=400) from err
         finally:
             if first:

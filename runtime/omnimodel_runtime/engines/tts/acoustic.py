@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
 from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.compat import cache_kwargs, output_cache
 from omnimodel_runtime.engines.devices import resolve_device
 from omnimodel_runtime.engines.tts.common import (
     DEFAULT_VOICE,
@@ -275,18 +276,19 @@ class SpeechT5AcousticEngine(WorkerEngine[_Utterance]):
         finally:
             u.rng = self._rng.get()
             self._rng.set(saved)
-        out = model.speecht5.decoder.wrapped_decoder(
+        decoder = model.speecht5.decoder.wrapped_decoder
+        out = decoder(
             hidden_states=hidden[:, -1:],
             attention_mask=None,
             encoder_hidden_states=u.encoder,
             encoder_attention_mask=u.mask,
-            past_key_values=u.past,
+            **cache_kwargs(decoder, u.past),
             use_cache=True,
             output_attentions=False,
             return_dict=True,
         )
         last = out.last_hidden_state.squeeze(1)
-        u.past = out.past_key_values
+        u.past = output_cache(out)
         spectrum = model.speech_decoder_postnet.feat_out(last).view(1, reduction, bins)
         u.spectra.append(spectrum)
         u.sequence = torch.cat((u.sequence, spectrum[:, -1, :].view(1, 1, bins)), dim=1)
