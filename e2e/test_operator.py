@@ -456,6 +456,7 @@ async def listed(client: Any, namespace: str, name: str) -> Any:
 async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube: Kube, tmp_path: Path) -> None:
     """Server defaulting, omitempty and normalised quantities must not make a pass re-apply
     (DESIGN §8: writes = 0); with the cache current, a pass sends no request at all."""
+    from omnimodel_operator.api.v1alpha1 import AutoscalerStatus
     from omnimodel_operator.kube import HttpKube, load_connection
     from omnimodel_operator.reconcile import reconcile
     from omnimodel_operator.settings import OperatorSettings
@@ -472,7 +473,14 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
             body = await client.get("omnimodel.io/v1alpha1", "OmniModel", kube.ns, name)
             assert body is not None
             observed = await listed(client, kube.ns, name)
-            outcome = await reconcile(counting, body, observed, OperatorSettings())
+            # What the running operator's autoscaler last decided, as its controller passes it: the pass
+            # must reproduce the status it wrote, not one without those decisions.
+            autoscalers = {
+                row["name"]: AutoscalerStatus.model_validate(row["autoscaler"])
+                for row in (body.get("status") or {}).get("stages") or []
+                if (row.get("autoscaler") or {}).get("kind") == "OmniModelAutoscaler"
+            }
+            outcome = await reconcile(counting, body, observed, OperatorSettings(), autoscalers=autoscalers)
             assert outcome.applied == [], name
     finally:
         await client.aclose()
