@@ -1,6 +1,10 @@
 """The text-to-image engine's speed options on one pipeline, in one process: eager (diffusers as it is), then
 the engine's ``cache`` and ``compile`` options applied by the engine's own code (``_speed_up``), each timed
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
+``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
+engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group
+on the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike;
+a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
 
     python bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --out result.json
 
@@ -12,6 +16,7 @@ baseline measures it. Writes the JSON after every variant, so a run cut short ke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -24,9 +29,51 @@ import torch
 from diffusers import DiffusionPipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.families import family_for
+from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
 NEGATIVE = " "
+
+
+def mask_effect(pipe: Any, size: int) -> dict[str, Any]:
+    """What padding a prompt and masking the padding does to one eager transformer call (bf16), and what
+    a batch of two does: max |difference| of the noise prediction, against its largest magnitude."""
+    embeds, _ = pipe.encode_prompt(PROMPT, device=pipe._execution_device)
+    side = size // pipe.vae_scale_factor // 2
+    gen = torch.Generator("cpu").manual_seed(0)
+    latents = torch.randn((1, side * side, pipe.transformer.config.in_channels), generator=gen)
+    latents = latents.to(embeds.device, embeds.dtype)
+    timestep = torch.full((1,), 0.5, device=embeds.device, dtype=embeds.dtype)
+
+    def call(x: torch.Tensor, e: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        b = x.shape[0]
+        with torch.inference_mode():
+            out: torch.Tensor = pipe.transformer(
+                hidden_states=x,
+                timestep=timestep.expand(b),
+                encoder_hidden_states=e,
+                encoder_hidden_states_mask=m,
+                img_shapes=[[(1, side, side)]] * b,
+                return_dict=False,
+            )[0]
+        return out.float()
+
+    alone = call(latents, embeds, None)
+    # The same prompt right-padded with 8 zero tokens, masked as a batch of prompts of other lengths is.
+    padded = torch.nn.functional.pad(embeds, (0, 0, 0, 8))
+    mask = torch.ones(padded.shape[:2], dtype=torch.long, device=embeds.device)
+    mask[:, embeds.shape[1] :] = 0
+    masked = call(latents, padded, mask)
+    pair = call(torch.cat([latents, latents]), torch.cat([embeds, embeds]), None)[:1]
+    scale = float(alone.abs().max())
+    return {
+        "prompt_tokens": int(embeds.shape[1]),
+        "padding_tokens": 8,
+        "noise_pred_abs_max": round(scale, 4),
+        "padded_and_masked_max_abs_diff": round(float((masked - alone).abs().max()), 6),
+        "batch_of_two_max_abs_diff": round(float((pair - alone).abs().max()), 6),
+    }
 
 
 def main() -> None:
@@ -36,7 +83,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--cfg", type=float, default=4.0)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--variants", default="eager,taylorseer,regional,regional+taylorseer")
+    p.add_argument("--variants", default="eager,cfgbatch,taylorseer,regional,regional+cfgbatch")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
@@ -46,6 +93,7 @@ def main() -> None:
     pipe = DiffusionPipeline.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32)
     pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)
+    family = family_for(args.model)[0]
     report: dict[str, Any] = {
         "meta": {
             "command": "python bench/t2i_speed.py "
@@ -64,67 +112,96 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     reference: dict[int, np.ndarray] = {}
 
-    def image(size: int) -> tuple[np.ndarray, float]:
+    def image(size: int, cfg_batch: bool) -> tuple[np.ndarray, float]:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = pipe(
-            PROMPT,
-            negative_prompt=NEGATIVE,
-            true_cfg_scale=args.cfg,
-            width=size,
-            height=size,
-            num_inference_steps=args.steps,
-            generator=torch.Generator("cpu").manual_seed(0),
-        ).images[0]
+        guidance = BatchedGuidance(pipe, family.merge_guidance) if cfg_batch else contextlib.nullcontext()
+        with guidance:
+            out = pipe(
+                PROMPT,
+                negative_prompt=NEGATIVE,
+                true_cfg_scale=args.cfg,
+                width=size,
+                height=size,
+                num_inference_steps=args.steps,
+                generator=torch.Generator("cpu").manual_seed(0),
+            ).images[0]
         if cuda:
             torch.cuda.synchronize()
+        if isinstance(guidance, BatchedGuidance):
+            assert guidance.batched_calls == guidance.answered_calls == args.steps, "cfg_batch did not engage"
         return np.asarray(out).astype(np.int16), time.perf_counter() - t0
 
-    def measure(variant: str, section: dict[str, Any]) -> None:
+    def differences(img: np.ndarray, ref: np.ndarray, suffix: str) -> dict[str, Any]:
+        diff = np.abs(img - ref)
+        mse = max(float((diff.astype(np.float64) ** 2).mean()), 1e-12)
+        return {
+            f"max_pixel_diff_vs_{suffix}": int(diff.max()),
+            f"mean_pixel_diff_vs_{suffix}": round(float(diff.mean()), 3),
+            f"psnr_db_vs_{suffix}": round(float(10 * np.log10(255**2 / mse)), 2),
+        }
+
+    def measure(group: list[str], sections: dict[str, dict[str, Any]]) -> None:
         for size in sizes:
+            images: dict[str, np.ndarray] = {}
+            times: dict[str, list[float]] = {v: [] for v in group}
+            first: dict[str, float] = {}
             wall = time.perf_counter()
-            img, first = image(size)  # warm-up (and compilation, for compiled variants)
-            times = []
+            for variant in group:  # warm-up (and compilation, for compiled variants)
+                images[variant], first[variant] = image(size, "cfgbatch" in variant)
             for _ in range(args.runs):
-                img, took = image(size)
-                times.append(took)
-            row: dict[str, Any] = {
-                "first_call_s": round(first, 3),
-                "latency_p50_s": round(statistics.median(times), 4),
-                "latencies_s": [round(t, 4) for t in times],
-                "wall_s": round(time.perf_counter() - wall, 1),
-            }
-            if variant == "eager":
-                reference[size] = img
-            elif size in reference:
-                diff = np.abs(img - reference[size])
-                mse = max(float((diff.astype(np.float64) ** 2).mean()), 1e-12)
-                row["max_pixel_diff_vs_eager"] = int(diff.max())
-                row["mean_pixel_diff_vs_eager"] = round(float(diff.mean()), 3)
-                row["psnr_db_vs_eager"] = round(float(10 * np.log10(255**2 / mse)), 2)
-            section[f"{size}x{size}"] = row
-            print(variant, size, row, flush=True)
+                for variant in group:
+                    images[variant], took = image(size, "cfgbatch" in variant)
+                    times[variant].append(took)
+            for variant in group:
+                row: dict[str, Any] = {
+                    "first_call_s": round(first[variant], 3),
+                    "latency_p50_s": round(statistics.median(times[variant]), 4),
+                    "latencies_s": [round(t, 4) for t in times[variant]],
+                    "group_wall_s": round(time.perf_counter() - wall, 1),
+                }
+                if variant == "eager":
+                    reference[size] = images[variant]
+                elif size in reference:
+                    row |= differences(images[variant], reference[size], "eager")
+                twin = variant.replace("+cfgbatch", "").replace("cfgbatch", "eager")
+                if "cfgbatch" in variant and twin in images:
+                    row |= differences(images[variant], images[twin], "sequential")
+                sections[variant][f"{size}x{size}"] = row
+                print(variant, size, row, flush=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    for variant in args.variants.split(","):
+    def engine_args_of(variant: str) -> dict[str, Any]:
         engine_args: dict[str, Any] = {}
         if "taylorseer" in variant:
             engine_args["cache"] = "taylorseer"
         if "regional" in variant:
             engine_args["compile"] = "regional"
-        section: dict[str, Any] = {"engine_args": engine_args}
-        report["results"][variant] = section
+        return engine_args
+
+    report["meta"]["mask_effect"] = mask_effect(pipe, sizes[0])
+    print("mask effect", report["meta"]["mask_effect"], flush=True)
+    groups: dict[str, list[str]] = {}
+    for variant in args.variants.split(","):
+        groups.setdefault(json.dumps(engine_args_of(variant), sort_keys=True), []).append(variant)
+    for key, group in groups.items():
+        engine_args = json.loads(key)
+        sections: dict[str, dict[str, Any]] = {}
+        for variant in group:
+            sections[variant] = {"engine_args": engine_args | ({"cfg_batch": True} if "cfgbatch" in variant else {})}
+            report["results"][variant] = sections[variant]
         try:
             if engine_args:
                 # The engine's own code for these engine_args, on this pipeline.
                 stage = SimpleNamespace(engine_args=engine_args, name="bench")
                 fake = SimpleNamespace(context=SimpleNamespace(stage=stage), stage=stage)
                 DiffusersImageEngine._speed_up(fake, pipe)  # type: ignore[arg-type]
-            measure(variant, section)
-        except Exception as err:  # a variant that fails leaves the others' numbers
-            section["error"] = f"{type(err).__name__}: {err}"
-            print(variant, "failed:", section["error"], flush=True)
+            measure(group, sections)
+        except Exception as err:  # a group that fails leaves the others' numbers
+            for variant in group:
+                sections[variant]["error"] = f"{type(err).__name__}: {err}"
+            print(group, "failed:", f"{type(err).__name__}: {err}", flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         if engine_args.get("cache"):
             pipe.transformer.disable_cache()

@@ -8,6 +8,7 @@ diffusers' own ``QwenImagePipeline`` called directly on the same checkpoint with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +26,8 @@ from pydantic import ValidationError
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.families import QwenImageFamily
+from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
@@ -358,6 +361,96 @@ async def test_parameters_out_of_bounds_never_become_a_stage_request(
     with pytest.raises(ValidationError) as err:
         StageParams.model_validate({"image": params})
     assert err.value.errors()[0]["loc"] == ("image", *loc)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cfg_batched(tiny_t2i: Path) -> AsyncIterator[Deployed]:
+    """The split preset with ``cfg_batch`` on (only denoise acts on it)."""
+    deployed = await deploy(
+        get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")), tiny_t2i, batch_wait=5.0, cfg_batch=True
+    )
+    yield deployed
+    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+
+
+@contextlib.contextmanager
+def block_batches(engine: DiffusersImageEngine) -> Iterator[list[int]]:
+    """The batch size of every call of the transformer's first block while the context is open."""
+    sizes: list[int] = []
+    block = engine._pipe.transformer.transformer_blocks[0]
+
+    def record(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        sizes.append(kwargs["hidden_states"].shape[0])
+
+    handle = block.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield sizes
+    finally:
+        handle.remove()
+
+
+def assert_rounding_only(expected: np.ndarray, got: np.ndarray) -> None:
+    # Batched GEMMs and the padded, masked attention round in another order (~1e-7 in float32 before
+    # quantisation): a pixel may land one level off; anything more is another image.
+    diff = np.abs(expected.astype(int) - got.astype(int))
+    assert diff.max() <= 1
+    assert (diff == 0).mean() > 0.999
+
+
+CFG = {"negative_prompt": "blurry, ugly", "true_cfg_scale": 3.0}
+
+
+async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per_step(
+    cfg_batched: Deployed, diffusers_pipe: Any
+) -> None:
+    prompt = "a shiny robot holding a sign that says hello world"  # longer than the negative: padded, masked
+    expected = direct(diffusers_pipe, prompt, seed=12, n=2, width=48, **CFG)
+    with block_batches(cfg_batched.engines["denoise"]) as sizes:
+        got = await generate(cfg_batched, prompt, seed=12, n=2, width=48, **CFG)
+    assert sizes == [4] * STEPS  # [positive; negative] of both images, once per step
+    assert_rounding_only(expected, got)
+    # Without guidance there is one branch: the pipeline's own single call, diffusers' pixels exactly.
+    with block_batches(cfg_batched.engines["denoise"]) as sizes:
+        plain = await generate(cfg_batched, prompt, seed=12)
+    assert sizes == [1] * STEPS
+    assert np.array_equal(plain, direct(diffusers_pipe, prompt, seed=12))
+
+
+async def test_cfg_batch_in_a_batch_of_requests_keeps_each_requests_image(cfg_batched: Deployed) -> None:
+    negatives = ["blurry", "ugly, low quality, watermark, text", "dark", "noise"]  # of other lengths than PROMPTS
+    kw = [{"seed": 300 + i, "negative_prompt": neg, "true_cfg_scale": 2.5} for i, neg in enumerate(negatives)]
+    alone = [await generate(cfg_batched, p, **k) for p, k in zip(PROMPTS, kw, strict=True)]
+    metrics = cfg_batched.metrics["denoise"]
+    metrics.batches.clear()
+    with block_batches(cfg_batched.engines["denoise"]) as sizes:
+        together = await asyncio.gather(*(generate(cfg_batched, p, **k) for p, k in zip(PROMPTS, kw, strict=True)))
+    assert metrics.batches == [len(PROMPTS)]
+    assert sizes == [2 * len(PROMPTS)] * STEPS
+    for one, batched in zip(alone, together, strict=True):
+        assert_rounding_only(one, batched)
+
+
+async def test_batched_guidance_gives_the_pipelines_pixels_and_leaves_the_pipeline_as_it_was(
+    diffusers_pipe: Any,
+) -> None:
+    family = QwenImageFamily()
+    for negative in ("blurry, ugly", "a shiny robot holding a flag", " "):  # shorter, as long, shortest
+        expected = direct(
+            diffusers_pipe, "a shiny robot holding a sign", seed=4, n=2, negative_prompt=negative, true_cfg_scale=3.0
+        )
+        with BatchedGuidance(diffusers_pipe, family.merge_guidance) as guidance:
+            got = direct(
+                diffusers_pipe,
+                "a shiny robot holding a sign",
+                seed=4,
+                n=2,
+                negative_prompt=negative,
+                true_cfg_scale=3.0,
+            )
+        assert (guidance.batched_calls, guidance.answered_calls) == (STEPS, STEPS)
+        assert_rounding_only(expected, got)
+    assert "forward" not in diffusers_pipe.transformer.__dict__
+    assert "encode_prompt" not in diffusers_pipe.__dict__
 
 
 async def test_bfloat16_crosses_the_wire_bit_for_bit() -> None:

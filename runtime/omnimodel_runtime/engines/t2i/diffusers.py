@@ -29,6 +29,11 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   ``cache: first_block`` (``cache_threshold``, default 0.08) is diffusers' First-Block Cache instead:
   it skips the remaining blocks of a step whose first block's output barely changed (adaptive; with
   random weights it rarely triggers).
+- ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
+  ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
+  the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
+  batched call attends through a padding mask, and the pixels then differ from diffusers' by rounding
+  (bench/t2i_speed.py measures how much); off, they are diffusers' own, which tests and the benchmark check.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -59,6 +64,7 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.requests import ROLES, Announcements, Resolved, Role, resolve
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire, upstream_tensors
 from omnimodel_runtime.engines.worker import Job, WorkerEngine
@@ -118,6 +124,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self._dtype = torch.bfloat16 if dtype == "auto" else dtype
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
+        self._cfg_batch = str(args.get("cfg_batch", False)).lower() not in ("0", "false", "no", "off", "")
         self._announced = Announcements()
         self._pipe: Any = None
         self._family: Family | None = None
@@ -213,6 +220,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             pipe.to(self._device)
         pipe.set_progress_bar_config(disable=True)
         family.configure(pipe, model_dir)
+        if self._cfg_batch and self.role in (Role.WHOLE, Role.DENOISE) and not family.batches_guidance:
+            raise ValueError(f"engine_args.cfg_batch is implemented for QwenImagePipeline, not {family.pipeline_class}")
         self._speed_up(pipe)
         self._pipe, self._family = pipe, family
         self._defaults = family.defaults(type(pipe), model_dir)
@@ -399,18 +408,24 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
                 pipe._interrupt = True
             return {}
 
-        result = self._pipe(
-            **kwargs,
-            **self._family.guidance_kwargs(
-                cfg=params.cfg, true_cfg_scale=params.true_cfg_scale, guidance_scale=params.guidance_scale
-            ),
-            height=params.height,
-            width=params.width,
-            num_inference_steps=params.steps,
-            generator=generators,
-            output_type="latent",
-            callback_on_step_end=step_end,
+        guidance: contextlib.AbstractContextManager[Any] = (
+            BatchedGuidance(self._pipe, self._family.merge_guidance)
+            if self._cfg_batch and params.cfg
+            else contextlib.nullcontext()
         )
+        with guidance:
+            result = self._pipe(
+                **kwargs,
+                **self._family.guidance_kwargs(
+                    cfg=params.cfg, true_cfg_scale=params.true_cfg_scale, guidance_scale=params.guidance_scale
+                ),
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.steps,
+                generator=generators,
+                output_type="latent",
+                callback_on_step_end=step_end,
+            )
         for job in batch:
             if not job.cancelled and self.drop_if_expired(job):
                 job.cancelled = True

@@ -76,6 +76,8 @@ class Family(abc.ABC):
     # Embedding tensors of variable length → the name of their mask: rows of different lengths are
     # right-padded with zeros and masked, which is what the pipeline itself does for a list of prompts.
     masked: ClassVar[Mapping[str, str]] = {}
+    # Whether :meth:`merge_guidance` can run both guidance branches as one transformer call.
+    batches_guidance: ClassVar[bool] = False
 
     # ------------------------------------------------------------ loading
 
@@ -151,16 +153,20 @@ class Family(abc.ABC):
             if name not in self.masked:
                 out[name] = torch.cat([t.repeat_interleave(n, dim=0) for t, _, n in rows])
                 continue
-            width = max(t.shape[1] for t, _, _ in rows)
-            embeds, masks = [], []
-            for t, mask, n in rows:
-                pad = width - t.shape[1]
-                m = torch.ones(t.shape[:2], dtype=torch.long, device=device) if mask is None else mask.to(device)
-                embeds.append(torch.nn.functional.pad(t, (0, 0, 0, pad)).repeat_interleave(n, dim=0))
-                masks.append(torch.nn.functional.pad(m.long(), (0, pad)).repeat_interleave(n, dim=0))
-            out[name] = torch.cat(embeds)
-            out[self.masked[name]] = torch.cat(masks)
+            out[name], out[self.masked[name]] = pad_and_mask(
+                [
+                    (t.repeat_interleave(n, dim=0), None if m is None else m.repeat_interleave(n, dim=0))
+                    for t, m, n in rows
+                ],
+                device,
+            )
         return out
+
+    def merge_guidance(self, positive: Mapping[str, Any], negative: tuple[Any, ...]) -> dict[str, Any] | None:
+        """The transformer kwargs of one call on ``[positive; negative]`` rows (``cfg_batch``), from the
+        pipeline's positive call and its ``encode_prompt`` result for the negative prompt; ``None`` where
+        this family cannot merge them (the call then runs as the pipeline makes it)."""
+        return None
 
     def guidance_kwargs(self, *, cfg: bool, true_cfg_scale: float, guidance_scale: float | None) -> dict[str, Any]:
         """``true_cfg_scale``/``guidance_scale`` arguments of the denoise call."""
@@ -189,6 +195,22 @@ class Family(abc.ABC):
         """Channels of one unpacked latent cell."""
 
 
+def pad_and_mask(
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length embedding rows ``(batch, tokens, dim)`` with their masks (``None``: all valid) as one
+    batch: right-padded with zeros to the longest, the padding masked out — what the pipeline does for a
+    list of prompts."""
+    width = max(t.shape[1] for t, _ in rows)
+    embeds, masks = [], []
+    for t, mask in rows:
+        pad = width - t.shape[1]
+        m = torch.ones(t.shape[:2], dtype=torch.long, device=device) if mask is None else mask.to(device)
+        embeds.append(torch.nn.functional.pad(t.to(device), (0, 0, 0, pad)))
+        masks.append(torch.nn.functional.pad(m.long(), (0, pad)))
+    return torch.cat(embeds), torch.cat(masks)
+
+
 def _to_uint8(pipe: Any, image: torch.Tensor) -> np.ndarray:
     """``postprocess`` to floats, then the same rounding diffusers' ``numpy_to_pil`` applies (a NaN, which
     some schedules produce at one step, becomes black instead of an undefined cast)."""
@@ -202,6 +224,7 @@ class QwenImageFamily(Family):
     latent mean/std."""
 
     pipeline_class = "QwenImagePipeline"
+    batches_guidance: ClassVar[bool] = True
     masked: ClassVar[Mapping[str, str]] = {
         "prompt_embeds": "prompt_embeds_mask",
         "negative_prompt_embeds": "negative_prompt_embeds_mask",
@@ -237,6 +260,46 @@ class QwenImageFamily(Family):
         latents = latents / inv_std + mean
         image = vae.decode(latents, return_dict=False)[0][:, :, 0]
         return _to_uint8(pipe, image)
+
+    # What a Qwen-Image transformer call may carry; a call with anything else is not merged.
+    _CALL_KEYS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "hidden_states",
+            "timestep",
+            "guidance",
+            "encoder_hidden_states",
+            "encoder_hidden_states_mask",
+            "img_shapes",
+            "attention_kwargs",
+            "return_dict",
+        }
+    )
+
+    def merge_guidance(self, positive: Mapping[str, Any], negative: tuple[Any, ...]) -> dict[str, Any] | None:
+        if not set(positive) <= self._CALL_KEYS or len(negative) != 2:
+            return None
+        embeds, mask = positive["encoder_hidden_states"], positive.get("encoder_hidden_states_mask")
+        neg_embeds, neg_mask = negative
+        latents, img_shapes = positive["hidden_states"], positive.get("img_shapes")
+        if neg_embeds.shape[0] != embeds.shape[0] or not isinstance(img_shapes, list):
+            return None
+        merged = dict(positive)
+        if embeds.shape[1] == neg_embeds.shape[1] and mask is None and neg_mask is None:
+            # Nothing to pad: no mask either, so attention takes the same unmasked path as the two calls.
+            merged["encoder_hidden_states"] = torch.cat([embeds, neg_embeds])
+            merged["encoder_hidden_states_mask"] = None
+        else:
+            # The transformer builds the joint attention mask from this one (diffusers 0.42): padded
+            # text tokens are never attended to, and right-padding keeps every real token's RoPE position.
+            both, both_mask = pad_and_mask([(embeds, mask), (neg_embeds, neg_mask)], embeds.device)
+            merged["encoder_hidden_states"] = both
+            merged["encoder_hidden_states_mask"] = both_mask
+        merged["hidden_states"] = torch.cat([latents, latents])
+        merged["timestep"] = torch.cat([positive["timestep"], positive["timestep"]])
+        if positive.get("guidance") is not None:
+            merged["guidance"] = torch.cat([positive["guidance"], positive["guidance"]])
+        merged["img_shapes"] = img_shapes + img_shapes
+        return merged
 
     def dummy_conditioning(self, pipe: Any) -> Conditioning:
         transformer = pipe.transformer
