@@ -174,7 +174,8 @@ def test_load_scales_a_stage_up_and_a_lull_back_down(kube: Kube, pods: PodRunner
     status = autoscaler_status(kube, "text-tiny", "llm")
     assert status is not None and status["desiredReplicas"] == 1, status
     events = wait_for(lambda: scaled_events(kube, "text-tiny"), 30, what="Scaled events")
-    assert any("1 -> 3" in m for m in events) and any("-> 1 " in m for m in events), events
+    # Up and down in one step or more (a decision may sample the load while it ramps or drains).
+    assert any("-> 3 replicas" in m for m in events) and any("-> 1 replicas" in m for m in events), events
     assert MANAGER not in managers(kube, "text-tiny-gateway")
     print(
         f"\nreplicas: {timeline.show()}; up to 3 reached, added pods served {served_by_added} requests "
