@@ -13,9 +13,35 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from omnimodel_testbed.pytest_plugin import ClusterHandle, kubectl_binary
 from omnimodel_testbed.volumes import claim_volume
+
+REPO = Path(__file__).parents[1]
+
+
+def example(name: str) -> dict[str, Any]:
+    """One of ``examples/`` as a dict."""
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
+    return doc
+
+
+def healthy(url: str) -> bool:
+    """``url``'s /health answers 200."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stage_requests(url: str) -> float:
+    """Finished requests a stage process has served, from its own /metrics."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("omnimodel_stage_requests_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25, what: str = "") -> Any:
@@ -28,14 +54,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
-
-
-def healthy(url: str) -> bool:
-    """True once ``url``'s ``/health`` answers 200 (a runtime process that has loaded and warmed up)."""
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 class Operator:

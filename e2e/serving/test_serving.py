@@ -6,31 +6,12 @@ from __future__ import annotations
 import io
 import socket
 import wave
-from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
-import yaml
 
 from omnimodel_testbed.kubelet import PodRunner
-from support import Kube, healthy, wait_for
-
-REPO = Path(__file__).parents[2]
-
-
-def example(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
-    return doc
-
-
-def stage_requests(url: str) -> float:
-    """Finished requests a stage process has served, from its own /metrics."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("omnimodel_stage_requests_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from support import Kube, example, healthy, stage_requests, wait_for
 
 
 def test_chat_through_gateway_and_stage_pods(kube: Kube, pods: PodRunner) -> None:
