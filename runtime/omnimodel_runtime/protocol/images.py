@@ -211,7 +211,8 @@ class ImageChatCompletionRequest(_ImageFields):
     """``POST /v1/chat/completions`` on a pipeline whose output is images.
 
     The prompt is the text of the last user message. Size comes as ``size`` (as in the images API) or
-    as ``height`` and ``width`` (vLLM-Omni's chat extensions); ``n`` images up to 10. Text sampling
+    as ``height`` and ``width`` (vLLM-Omni's chat extensions); ``n`` (or vLLM-Omni's
+    ``num_outputs_per_prompt``) images up to 10. vLLM-Omni's clients nest all of these in ``extra_body``. Text sampling
     fields (temperature, max_tokens, ...) mean nothing to a diffusion model and are ignored.
     """
 
