@@ -89,6 +89,11 @@ class RuntimeSettings(BaseSettings):
     # How long SIGTERM waits for in-flight requests before the process exits anyway (pods get 60 s).
     drain_timeout: Annotated[float, Field(ge=0)] = 30.0
 
+    # What chat completions answer with when a request leaves ``modalities`` out (only the modalities the
+    # pipeline outputs count). OpenAI's default is text; vLLM-Omni answers with every output modality, so
+    # its Qwen-Omni clients, which leave it out, get audio only with '["text","audio"]'.
+    chat_default_modalities: Annotated[list[Literal["text", "audio"]], Field(min_length=1)] = ["text"]
+
     # Batching engines may hold the first request of an idle engine this long (seconds) to start a
     # burst as one batch. 0 (default) starts at once: with continuous batching, requests arriving
     # a moment later join at the next step anyway, so waiting only adds latency.

@@ -15,7 +15,7 @@ from omnimodel_runtime.api.responses import respond, until_disconnect
 from omnimodel_runtime.api.state import APIState, api_state
 from omnimodel_runtime.protocol.images import ImageChatCompletionRequest, ImageChatCompletionResponse
 from omnimodel_runtime.protocol.openai import ChatCompletionRequest, ChatCompletionResponse
-from omnimodel_runtime.serving.chat_audio import wants_audio
+from omnimodel_runtime.serving.chat_audio import wants_audio, with_default_modalities
 
 PATH: Final = "/v1/chat/completions"
 
@@ -31,6 +31,7 @@ image_router = APIRouter(dependencies=[Depends(require_key)])
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
 ) -> Response:
+    body = with_default_modalities(body, api.chat_modalities)
     # Audio runs the whole stage chain; everything else stays on the single-stage text path.
     service = api.chat_audio if wants_audio(body) else api.chat
     return respond(await until_disconnect(request, service.create(body)))

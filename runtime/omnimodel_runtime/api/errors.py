@@ -59,7 +59,8 @@ def validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    # A check of the whole body (the extra_body merge) names its field in its context.
+    param = ".".join(loc) or first.get("ctx", {}).get("param") or None
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing" and not loc:
         message = "the request body is missing"

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from omnimodel_runtime.api.auth import require_key
-from omnimodel_runtime.api.openapi import STAGE_ERRORS, errors, ok
+from omnimodel_runtime.api.openapi import SSE, STAGE_ERRORS, errors, ok
 from omnimodel_runtime.api.responses import respond, until_disconnect
 from omnimodel_runtime.api.state import APIState, api_state
 from omnimodel_runtime.protocol.images import ImageGenerationRequest, ImagesResponse
@@ -21,7 +21,12 @@ router = APIRouter(dependencies=[Depends(require_key)])
 @router.post(
     PATH,
     response_model=ImagesResponse,
-    responses=ok("PNG images as base64 (`data[i].b64_json`)") | errors(*STAGE_ERRORS),
+    responses=ok(
+        "PNG images as base64 (`data[i].b64_json`); with `stream: true` as server-sent "
+        "`image_generation.completed` events, one per image",
+        SSE,
+    )
+    | errors(*STAGE_ERRORS),
 )
 async def image_generations(
     body: ImageGenerationRequest, request: Request, api: Annotated[APIState, Depends(api_state)]

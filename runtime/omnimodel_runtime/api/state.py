@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import Request
 
 from omnimodel_runtime.pipeline import Pipeline
-from omnimodel_runtime.serving.chat_audio import ChatAudioService
+from omnimodel_runtime.serving.chat_audio import ChatAudioService, default_modalities
 from omnimodel_runtime.serving.images import ImageService
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.speech import SpeechService
@@ -28,9 +30,18 @@ class APIState:
     speech: SpeechService
     # Clients must send ``Authorization: Bearer <key>`` when set.
     api_key: str | None
+    # What chat answers with when a request names no ``modalities``.
+    chat_modalities: tuple[Literal["text", "audio"], ...] = ("text",)
 
     @classmethod
-    def create(cls, orchestrator: Orchestrator, *, request_timeout: float, api_key: str | None) -> APIState:
+    def create(
+        cls,
+        orchestrator: Orchestrator,
+        *,
+        request_timeout: float,
+        api_key: str | None,
+        chat_modalities: Sequence[str] = ("text",),
+    ) -> APIState:
         chat = ChatService(orchestrator, request_timeout=request_timeout)
         return cls(
             pipeline=orchestrator.pipeline,
@@ -41,6 +52,7 @@ class APIState:
             images=ImageService(orchestrator, request_timeout=request_timeout),
             speech=SpeechService(orchestrator, request_timeout=request_timeout),
             api_key=api_key,
+            chat_modalities=default_modalities(chat_modalities, orchestrator.pipeline),
         )
 
 

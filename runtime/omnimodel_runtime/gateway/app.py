@@ -97,6 +97,7 @@ def build_app(
         orchestrator,
         request_timeout=settings.request_timeout,
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
+        chat_modalities=settings.chat_default_modalities,
     )
     install_error_handlers(app)
     install_openapi(app)

@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from omnimodel_runtime.protocol.openai import (
     ChatMessageParam,
     OpenAIBaseModel,
-    OpenAIRequestModel,
+    OpenAIRequestBody,
     UsageInfo,
     random_id,
 )
@@ -35,6 +35,8 @@ MAX_STEPS: Final = 200
 # request would hold a GPU for minutes.
 MAX_SIDE: Final = 4096
 MAX_GUIDANCE: Final = 20.0
+# OpenAI's bound on ``partial_images``.
+MAX_PARTIAL_IMAGES: Final = 3
 # Seeds are torch generator seeds; image i of a request uses seed + i, which must stay in range.
 MAX_SEED: Final = 2**63 - 1 - MAX_IMAGES
 
@@ -114,7 +116,7 @@ class TextToImageParams(BaseModel):
 # ---------------------------------------------------------------- POST /v1/images/generations
 
 
-class _ImageFields(OpenAIRequestModel):
+class _ImageFields(OpenAIRequestBody):
     """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
 
     negative_prompt: str | None = None
@@ -135,6 +137,11 @@ class ImageGenerationRequest(_ImageFields):
     output_format: Literal["png"] | None = None
     seed: Seed | None = None
     user: str | None = None
+    # OpenAI's image streaming: ``image_generation.completed`` events (serving.images). No partial images
+    # are sent, which OpenAI's contract allows ("the final image may be sent before the full number of
+    # partial images"): the pipeline decodes only its last latents.
+    stream: bool = False
+    partial_images: Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None
     # OpenAI's knobs for its own models; a diffusion pipeline has no such modes. Only their neutral
     # values are accepted, anything else is a 400 naming the field (not silently ignored).
     quality: Literal["auto", "standard"] | None = None
@@ -175,6 +182,28 @@ class ImagesResponse(OpenAIBaseModel):
     size: str | None = None
 
 
+class ImageStreamUsage(OpenAIBaseModel):
+    """The usage of an image stream, in OpenAI's shape: prompt tokens in, no tokens out (pixels)."""
+
+    input_tokens: int = 0
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"image_tokens": 0, "text_tokens": 0})
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ImageGenerationCompletedEvent(OpenAIBaseModel):
+    """``event: image_generation.completed``: one finished image of a ``stream: true`` request."""
+
+    type: Literal["image_generation.completed"] = "image_generation.completed"
+    b64_json: str
+    created_at: int
+    size: str
+    quality: Literal["auto"] = "auto"
+    background: Literal["opaque"] = "opaque"
+    output_format: Literal["png"] = "png"
+    usage: ImageStreamUsage
+
+
 # ---------------------------------------------------------------- chat completions answered with images
 
 
@@ -182,7 +211,8 @@ class ImageChatCompletionRequest(_ImageFields):
     """``POST /v1/chat/completions`` on a pipeline whose output is images.
 
     The prompt is the text of the last user message. Size comes as ``size`` (as in the images API) or
-    as ``height`` and ``width`` (vLLM-Omni's chat extensions); ``n`` images up to 10. Text sampling
+    as ``height`` and ``width`` (vLLM-Omni's chat extensions); ``n`` (or vLLM-Omni's
+    ``num_outputs_per_prompt``) images up to 10. vLLM-Omni's clients nest all of these in ``extra_body``. Text sampling
     fields (temperature, max_tokens, ...) mean nothing to a diffusion model and are ignored.
     """
 
@@ -190,6 +220,8 @@ class ImageChatCompletionRequest(_ImageFields):
     model: str | None = None
     stream: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    # vLLM-Omni's name for ``n`` on image chat (its example clients always send it).
+    num_outputs_per_prompt: Annotated[int, Field(ge=1, le=MAX_IMAGES)] | None = None
     seed: Seed | None = None
     modalities: list[Literal["text", "image"]] | None = None
     size: str | None = None
@@ -208,6 +240,19 @@ class ImageChatCompletionRequest(_ImageFields):
         if size is not None and width is not None and _dimensions(size) != (width, height):
             raise PydanticCustomError("image_size", "disagrees with size; send size, or width and height")
         return width
+
+    @model_validator(mode="after")
+    def _one_count(self) -> Self:
+        count = self.num_outputs_per_prompt
+        if count is not None:
+            if "n" in self.model_fields_set and self.n != count:
+                raise PydanticCustomError(
+                    "image_count",
+                    "n ({n}) and num_outputs_per_prompt ({count}) disagree; send one",
+                    {"n": self.n, "count": count, "param": "num_outputs_per_prompt"},
+                )
+            self.n = count
+        return self
 
     def dimensions(self) -> tuple[int | None, int | None]:
         if self.width is not None:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # OpenAI's own limit on stop sequences.
@@ -46,6 +46,51 @@ class OpenAIRequestModel(OpenAIBaseModel):
     pass as numbers."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+EXTRA_BODY: Final = "extra_body"
+
+
+def merge_extra_body(data: Any) -> Any:
+    """A body whose nested ``"extra_body"`` object is merged into its root.
+
+    The ``openai`` client merges ``extra_body=`` into the JSON root itself, but vLLM-Omni's own example
+    clients and diffusion benchmark (plain ``requests``/``aiohttp``/curl) send it as a key of the body, which
+    vLLM-Omni merges on the server. A field given both at the root and in ``extra_body`` is refused (as
+    vLLM-Omni does): neither place silently wins. Anything but an object is left for the field to refuse.
+    Errors found here have no location in the body; their context names the field (``param``).
+    """
+    if not isinstance(data, dict) or not isinstance(data.get(EXTRA_BODY), dict):
+        return data
+    root = {k: v for k, v in data.items() if k != EXTRA_BODY}
+    nested: dict[str, Any] = data[EXTRA_BODY]
+    for key in nested:
+        if key == EXTRA_BODY:
+            raise PydanticCustomError(
+                "extra_body", "extra_body must not contain another extra_body", {"param": "extra_body.extra_body"}
+            )
+        if key in root:
+            raise PydanticCustomError(
+                "extra_body",
+                "{key} is given both at the top level and in extra_body; send it once",
+                {"key": key, "param": f"extra_body.{key}"},
+            )
+    return root | nested
+
+
+class OpenAIRequestBody(OpenAIRequestModel):
+    """The whole body of a request (not a part of one): accepts vLLM-Omni's nested ``extra_body``."""
+
+    extra_body: dict[str, Any] | None = Field(
+        default=None,
+        description="Extension fields nested as vLLM-Omni's clients send them; merged into the body "
+        "(a field both here and at the top level is a 400).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        return merge_extra_body(data)
 
 
 # ---------------------------------------------------------------- errors
@@ -96,7 +141,7 @@ def stop_list(value: StopParam) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-class _SamplingFields(OpenAIRequestModel):
+class _SamplingFields(OpenAIRequestBody):
     """Sampling parameters both APIs share (plus vLLM's ``ignore_eos`` extension)."""
 
     model: str | None = None
@@ -164,7 +209,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     tools: list[dict[str, Any]] | None = None
     audio: ChatAudioParam | None = None
-    # vLLM-Omni's way of naming the voice (same meaning as ``audio.voice``).
+    # vLLM-Omni's ways of naming the voice (same meaning as ``audio.voice``): it reads ``voice``, then
+    # ``speaker``, at the top level of the body.
+    voice: Annotated[str, Field(min_length=1)] | None = None
     speaker: Annotated[str, Field(min_length=1)] | None = None
     # Refused unless neutral (serving.text): structured output, tool choice, legacy functions, logprobs.
     response_format: ResponseFormat | None = None

@@ -8,12 +8,14 @@ format in its 400; ``aac`` is in OpenAI's list but not in this schema, and gets 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestModel, Seed
+from omnimodel_runtime.errors import StageError
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestBody, OpenAIRequestModel, Seed
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
@@ -26,13 +28,44 @@ SpeechFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
 REFUSED_FORMATS: Final = {"aac": "no maintained AAC encoder library is available here"}
 
 
+# OpenAI's built-in voices. Its SDK makes clients name one (``audio={"voice": ...}`` on chat, ``voice`` on
+# speech) and vLLM-Omni ignores ``audio.voice`` on chat, so clients written for either send "alloy" to a
+# model that has no such speaker: they get the model's default voice (unless it has a speaker of that
+# name). Any other unknown name is a 400 listing the model's voices.
+OPENAI_VOICES: Final = frozenset(
+    {"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage", "shimmer", "verse"}
+)
+# The speech API's name for "no particular voice" (vLLM-Omni's placeholder too).
+DEFAULT_VOICE_NAME: Final = "default"
+
+
+def resolve_voice(voice: str | None, names: Iterable[str], default: str, *, param: str) -> str:
+    """The model's speaker for ``voice``: its own name (case-insensitive, as vLLM-Omni matches), else the
+    ``default`` for no voice, ``"default"`` or an OpenAI voice name; otherwise a 400 naming ``param`` and
+    listing the voices."""
+    names = list(names)
+    if voice is None:
+        return default
+    for name in names:
+        if name.lower() == voice.lower():
+            return name
+    if voice.lower() == DEFAULT_VOICE_NAME or voice.lower() in OPENAI_VOICES:
+        return default
+    raise StageError(
+        f"unknown voice {voice!r}; this model speaks with: {', '.join(names)} "
+        f"(OpenAI's voice names and {DEFAULT_VOICE_NAME!r} mean {default!r})",
+        status=400,
+        param=param,
+    )
+
+
 class VoiceRef(OpenAIRequestModel):
     """A voice given as an object (``{"id": "..."}``), as newer OpenAI clients may send it."""
 
     id: Annotated[str, Field(min_length=1, max_length=64)]
 
 
-class SpeechRequest(OpenAIRequestModel):
+class SpeechRequest(OpenAIRequestBody):
     """``POST /v1/audio/speech``."""
 
     model: str | None = None

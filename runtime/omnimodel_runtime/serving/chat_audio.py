@@ -12,8 +12,9 @@ never reach the talker or code2wav).
   audio arrives while the text is still being written; then the finish chunk, the optional usage chunk and
   ``[DONE]``. code2wav runs chunked.
 
-Voice: OpenAI's ``audio.voice`` or vLLM-Omni's ``speaker``; the stages map it onto the model's speaker map
-(an unknown voice is a 400 raised before any output).
+Voice: OpenAI's ``audio.voice`` or vLLM-Omni's ``voice``/``speaker``; the stages map it onto the model's speaker
+map (``protocol.speech.resolve_voice``: OpenAI's voice names mean the default voice, an unknown voice is a 400
+listing the voices, raised before any output).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 import numpy as np
 
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.pipeline import Modality, Stage
+from omnimodel_runtime.pipeline import Modality, Pipeline, Stage
 from omnimodel_runtime.protocol.openai import (
     AudioChatCompletionStreamResponse,
     AudioDelta,
@@ -57,6 +58,23 @@ DEFAULT_SAMPLE_RATE: Final = 24000
 
 def wants_audio(req: ChatCompletionRequest) -> bool:
     return "audio" in (req.modalities or ())
+
+
+def default_modalities(configured: Sequence[str], pipeline: Pipeline) -> tuple[Literal["text", "audio"], ...]:
+    """What a chat request without ``modalities`` gets (``OMNIMODEL_CHAT_DEFAULT_MODALITIES``): the
+    configured modalities this pipeline outputs; text when it outputs none of them."""
+    outputs = {m.value for m in pipeline.modalities}
+    chosen = tuple(m for m in ("text", "audio") if m in configured and m in outputs)
+    return chosen or ("text",)
+
+
+def with_default_modalities(
+    req: ChatCompletionRequest, default: tuple[Literal["text", "audio"], ...]
+) -> ChatCompletionRequest:
+    """``req`` with ``default`` as its ``modalities`` when it names none."""
+    if req.modalities is not None or default == ("text",):
+        return req
+    return req.model_copy(update={"modalities": list(default)})
 
 
 def _visible(stage: Stage, frame: ResponseFrame) -> bool:
@@ -106,12 +124,20 @@ class ChatAudioService:
 
     @staticmethod
     def voice(req: ChatCompletionRequest) -> str | None:
-        named = req.audio.voice if req.audio is not None else None
-        if named is not None and req.speaker is not None and named.lower() != req.speaker.lower():
-            raise APIError(
-                f"audio.voice {named!r} and speaker {req.speaker!r} name different voices; send one", param="speaker"
-            )
-        return named if named is not None else req.speaker
+        """The voice the request names: OpenAI's ``audio.voice`` or vLLM-Omni's top-level ``voice`` or
+        ``speaker``; naming two different ones is a 400."""
+        named = {
+            "audio.voice": req.audio.voice if req.audio is not None else None,
+            "voice": req.voice,
+            "speaker": req.speaker,
+        }
+        given = [(where, name) for where, name in named.items() if name is not None]
+        for where, name in given[1:]:
+            if name.lower() != given[0][1].lower():
+                raise APIError(
+                    f"{given[0][0]} {given[0][1]!r} and {where} {name!r} name different voices; send one", param=where
+                )
+        return given[0][1] if given else None
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         request_id = self.chat.request_id()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,9 +29,11 @@ from omnimodel_runtime.protocol.images import (
     ImageChatCompletionResponse,
     ImageChatMessage,
     ImageContentPart,
+    ImageGenerationCompletedEvent,
     ImageGenerationRequest,
     ImageObject,
     ImagesResponse,
+    ImageStreamUsage,
     ImageURL,
     TextToImageParams,
 )
@@ -38,6 +41,7 @@ from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
 from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.sse import DONE, sse
 
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 _PNG_COLOR_TYPES: Final = {1: 0, 3: 2, 4: 6}  # grey, RGB, RGBA
@@ -126,17 +130,17 @@ class ImageService(Service):
             raise StageError(f"the pipeline returned {len(images)} images for n={n}", status=502)
         return Generated(images=images, prompt_tokens=prompt_tokens)
 
-    async def create(self, req: ImageGenerationRequest) -> ImagesResponse:
-        """``POST /v1/images/generations``: PNGs as base64."""
+    async def create(self, req: ImageGenerationRequest) -> ImagesResponse | AsyncIterator[bytes]:
+        """``POST /v1/images/generations``: PNGs as base64; with ``stream``, as OpenAI's image events."""
         self.check_model(req.model)
         request = self.stage_request(req.prompt, req.params(), self.request_id())
         generated = await self.generate(request, req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         height, width = generated.images[0].shape[:2]
-        return ImagesResponse(
-            data=[ImageObject(b64_json=base64.b64encode(png).decode("ascii")) for png in pngs],
-            size=f"{width}x{height}",
-        )
+        b64 = [base64.b64encode(png).decode("ascii") for png in pngs]
+        if req.stream:
+            return _completed_events(b64, f"{width}x{height}", generated.prompt_tokens)
+        return ImagesResponse(data=[ImageObject(b64_json=b) for b in b64], size=f"{width}x{height}")
 
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
         """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""
@@ -163,6 +167,24 @@ class ImageService(Service):
             choices=[ImageChatChoice(message=ImageChatMessage(content=parts))],
             usage=UsageInfo(prompt_tokens=generated.prompt_tokens, total_tokens=generated.prompt_tokens),
         )
+
+
+async def _completed_events(images: Sequence[str], size: str, prompt_tokens: int) -> AsyncIterator[bytes]:
+    """A ``stream: true`` answer: one ``image_generation.completed`` event per image, then ``[DONE]``.
+
+    The images are generated before the stream starts, so a refused or failed request still gets its
+    status and error envelope. There are no ``partial_image`` events: the stages hand only the final
+    latents to the decoder (OpenAI allows the final image before any partial one)."""
+    created = int(time.time())
+    usage = ImageStreamUsage(
+        input_tokens=prompt_tokens,
+        input_tokens_details={"image_tokens": 0, "text_tokens": prompt_tokens},
+        total_tokens=prompt_tokens,
+    )
+    for b64 in images:
+        event = ImageGenerationCompletedEvent(b64_json=b64, created_at=created, size=size, usage=usage)
+        yield sse(event, event=event.type)
+    yield DONE
 
 
 def _encode_all(images: Sequence[np.ndarray]) -> list[bytes]:

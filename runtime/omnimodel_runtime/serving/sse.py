@@ -19,10 +19,12 @@ log = logging.getLogger(__name__)
 DONE: Final = b"data: [DONE]\n\n"
 
 
-def sse(data: BaseModel | dict[str, Any]) -> bytes:
-    """One server-sent event carrying ``data`` as JSON."""
+def sse(data: BaseModel | dict[str, Any], *, event: str | None = None) -> bytes:
+    """One server-sent event carrying ``data`` as JSON (with an ``event:`` name when given, as OpenAI's
+    image streams name theirs)."""
     payload = data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {payload}\n\n".encode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
 
 
 async def event_stream(events: AsyncGenerator[bytes, None], source: AsyncIterator[Any]) -> AsyncIterator[bytes]:

@@ -88,16 +88,28 @@ def server(
         yield preset, proc.url
 
 
+# What _cheap caps (or sets) at the top level of a body.
+_CAPPED = frozenset(
+    {"model", "n", "num_outputs_per_prompt", "num_inference_steps", "height", "width", "size"}
+    | {"max_tokens", "max_completion_tokens", "input"}
+)
+
+
 def _cheap(path: str, body: Any, model: str, *, images: bool) -> Any:
     """A positive case's body made cheap to answer, still valid by the schema: the served model, few
     tokens, two 32x32 images of 2 steps at most, a short text to speak."""
     if not isinstance(body, dict):
         return body
     body = dict(body)
+    nested = body.get("extra_body")
+    if isinstance(nested, dict):
+        # Merged into the body by the server: what is capped below must not come back through it.
+        body["extra_body"] = {k: v for k, v in nested.items() if k not in _CAPPED}
     if "model" in body:
         body["model"] = model
     if images:
         body["n"] = min(body.get("n") or 1, 2) if isinstance(body.get("n"), int) else 1
+        body.pop("num_outputs_per_prompt", None)
         steps = body.get("num_inference_steps")
         body["num_inference_steps"] = min(steps, 2) if isinstance(steps, int) else 2
         body.pop("height", None)

@@ -162,6 +162,38 @@ async def test_split_stages_reproduce_the_whole_model_text_and_waveform(
     assert wav_of(resp.json()["choices"][0]["message"]) == ethan != wav
 
 
+async def test_vllm_omni_client_voice_names_reach_the_speaker_map(serve: tuple[Any, httpx.AsyncClient]) -> None:
+    _, http = serve
+    # examples/online_serving/qwen2_5_omni/openai_chat_completion_client_for_multimodal_generation.py
+    # (text query): a system prompt and content parts, its per-stage sampling list nested in extra_body.
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "You are Qwen, a virtual human."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Say something."}]},
+    ]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "modalities": ["text", "audio"],
+        "max_tokens": 12,
+        "temperature": 0,
+        "seed": 5,
+        "extra_body": {"sampling_params_list": [{"temperature": 0.0}, {"temperature": 0.9}, {"temperature": 0.0}]},
+    }
+
+    async def wav(**voice: Any) -> bytes:
+        resp = await http.post("/v1/chat/completions", json={**body, **voice})
+        assert resp.status_code == 200, resp.text
+        return wav_of(resp.json()["choices"][0]["message"])
+
+    chelsie = await wav(audio={"voice": "Chelsie"})
+    assert await wav(audio={"voice": "alloy", "format": "wav"}) == chelsie  # OpenAI's names: the default voice
+    assert await wav(voice="ethan") == await wav(speaker="Ethan") != chelsie  # vLLM-Omni's top-level voice
+    resp = await http.post("/v1/chat/completions", json={**body, "voice": "bob"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "audio.voice"
+    assert "Chelsie" in resp.json()["error"]["message"]
+
+
 async def test_streamed_audio_starts_before_the_text_ends(serve: tuple[Any, httpx.AsyncClient]) -> None:
     _, http = serve
     body = {

@@ -31,6 +31,7 @@ from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.protocol.speech import resolve_voice
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
@@ -50,15 +51,15 @@ class Thinker(Engine):
         self.go = asyncio.Event()
         self.go.set()
         self.requests: list[StageInput] = []
+        self.voices: list[str] = []
 
     async def stop(self) -> None:
         pass
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         self.requests.append(inp)
-        voice = inp.request.params.voice
-        if voice is not None and voice not in VOICES:
-            raise StageError(f"unknown voice {voice!r}", status=400, param="audio.voice")
+        # The real stages' resolution of a voice onto the speaker map.
+        self.voices.append(resolve_voice(inp.request.params.voice, VOICES, VOICES[0], param="audio.voice"))
         for i in range(WORDS):
             if i == WORDS - 1:
                 await self.go.wait()
@@ -109,7 +110,7 @@ class Code2Wav(Engine):
 
 
 class OmniServe:
-    def __init__(self) -> None:
+    def __init__(self, settings: RuntimeSettings | None = None) -> None:
         self.pipeline = omni_pipeline()
         registry = CollectorRegistry()
         family = StageMetricsFamily(registry)
@@ -120,7 +121,7 @@ class OmniServe:
         handles: dict[str, StageHandle] = {
             s.name: LocalStage(s, engines[s.name], family.for_stage(s.name)) for s in self.pipeline.stages
         }
-        self.app = build_app(RuntimeSettings(), self.pipeline, handles, registry=registry)
+        self.app = build_app(settings or RuntimeSettings(), self.pipeline, handles, registry=registry)
 
 
 @pytest.fixture
@@ -266,3 +267,69 @@ async def test_non_streamed_failure_is_an_error_envelope(http: httpx.AsyncClient
         await client.chat.completions.create(
             model="qwen2.5-omni", messages=[{"role": "user", "content": "FAIL_AUDIO"}], modalities=["text", "audio"]
         )
+
+
+# ---------------------------------------------------------------- vLLM-Omni's clients (docs/vllm-omni-compat.md)
+
+
+@pytest.mark.parametrize(
+    ("fields", "spoken"),
+    [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "Chelsie"),  # OpenAI's names: the default voice
+        ({"audio": {"voice": "Shimmer"}}, "Chelsie"),
+        ({"voice": "ethan"}, "Ethan"),  # vLLM-Omni reads top-level voice, case-insensitively
+        ({"speaker": "ETHAN"}, "Ethan"),
+        ({"audio": {"voice": "Ethan"}, "speaker": "ethan"}, "Ethan"),
+        ({"voice": "default"}, "Chelsie"),
+    ],
+)
+async def test_voice_names_of_openai_and_vllm_omni_clients_map_onto_the_speakers(
+    http: httpx.AsyncClient, omni: OmniServe, fields: dict[str, object], spoken: str
+) -> None:
+    body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], **fields}
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert omni.thinker.voices == [spoken]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"audio": {"voice": "Nobody"}}, "audio.voice"),
+        ({"audio": {"voice": "Ethan"}, "voice": "Chelsie"}, "voice"),
+        ({"voice": "Ethan", "speaker": "Chelsie"}, "speaker"),
+    ],
+)
+async def test_an_unknown_or_contradictory_voice_is_a_400_listing_the_voices(
+    http: httpx.AsyncClient, fields: dict[str, object], param: str
+) -> None:
+    body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], **fields}
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param
+    if param == "audio.voice":
+        assert "Chelsie, Ethan" in error["message"]
+
+
+async def test_modalities_left_out_answer_text_unless_configured_like_vllm_omni() -> None:
+    # examples/online_serving/qwen2_5_omni/openai_chat_completion_client_for_multimodal_generation.py
+    # leaves modalities out and extracts every choice's message.audio.
+    body = {
+        "model": "qwen2.5-omni",
+        "messages": USER,
+        "extra_body": {"sampling_params_list": [{"temperature": 0.0}, {"temperature": 0.9}, {"temperature": 0.0}]},
+    }
+    for configured, audio in ((None, False), (["text", "audio"], True)):
+        settings = RuntimeSettings() if configured is None else RuntimeSettings(chat_default_modalities=configured)
+        serve = OmniServe(settings)
+        async with lifespan(serve.app), asgi_client(serve.app) as http:
+            resp = await http.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            (choice,) = resp.json()["choices"]
+            assert choice["message"]["content"] == "".join(f" w{i}" for i in range(WORDS))
+            assert (choice["message"].get("audio") is not None) is audio
+            assert bool(serve.code2wav.requests) is audio
+            # A request that names its modalities gets those, whatever the default.
+            resp = await http.post("/v1/chat/completions", json=body | {"modalities": ["text"]})
+            assert resp.json()["choices"][0]["message"].get("audio") is None

@@ -373,3 +373,15 @@ async def test_every_request_gets_an_access_line_and_an_id_that_names_its_stage_
         "request_id": "client-7",
     }
     assert record["latency_ms"] >= 0
+
+
+def test_the_configured_default_modalities_count_only_what_the_pipeline_outputs() -> None:
+    from omnimodel_runtime.pipeline import ModelSource, get_preset
+    from omnimodel_runtime.serving.chat_audio import default_modalities
+
+    text = get_preset("text").pipeline(ModelSource(source="tiny://text"))
+    omni = get_preset("qwen2.5-omni").pipeline(ModelSource(source="tiny://qwen2.5-omni"))
+    assert default_modalities(["text", "audio"], text) == ("text",)
+    assert default_modalities(["text", "audio"], omni) == ("text", "audio")
+    assert default_modalities(["audio"], omni) == ("audio",)
+    assert default_modalities(["audio"], text) == ("text",)

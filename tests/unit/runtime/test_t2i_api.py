@@ -280,3 +280,115 @@ def test_png_encoding_refuses_what_png_cannot_hold() -> None:
         encode_png(np.zeros((2, 2, 3), dtype=np.float32))
     with pytest.raises(ValueError, match="shape"):
         encode_png(np.zeros((2, 2, 2), dtype=np.uint8))
+
+
+# ---------------------------------------------------------------- vLLM-Omni's clients (docs/vllm-omni-compat.md)
+
+
+def _chat_pixels(reply: dict[str, Any]) -> list[np.ndarray]:
+    parts = reply["choices"][0]["message"]["content"]
+    return [np.asarray(_png(p["image_url"]["url"].split(",", 1)[1])) for p in parts]
+
+
+async def test_vllm_omni_chat_client_nested_extra_body_is_honoured(http: httpx.AsyncClient, serve: ImageServe) -> None:
+    # examples/online_serving/text_to_image/openai_chat_client.py: plain ``requests``, no model, the
+    # diffusion parameters in a nested "extra_body" object of the JSON body.
+    def payload(seed: int) -> dict[str, Any]:
+        return {
+            "messages": [{"role": "user", "content": "a cup of coffee on the table"}],
+            "extra_body": {
+                "height": 32,
+                "width": 48,
+                "num_inference_steps": 3,
+                "true_cfg_scale": 4.0,
+                "seed": seed,
+                "negative_prompt": "blurry",
+                "num_outputs_per_prompt": 2,
+            },
+        }
+
+    resp = await http.post("/v1/chat/completions", json=payload(42))
+    assert resp.status_code == 200, resp.text
+    images = _chat_pixels(resp.json())
+    assert [im.shape for im in images] == [(32, 48, 3), (32, 48, 3)]
+    assert [int(im[0, 0, 0]) for im in images] == [42, 43]
+    (inp,) = serve.engines["denoise"].requests
+    assert inp.request.params.image == TextToImageParams(
+        n=2, width=48, height=32, num_inference_steps=3, true_cfg_scale=4.0, negative_prompt="blurry", seed=42
+    )
+    again = _chat_pixels((await http.post("/v1/chat/completions", json=payload(42))).json())
+    other = _chat_pixels((await http.post("/v1/chat/completions", json=payload(7))).json())
+    assert np.array_equal(again[0], images[0])
+    assert not np.array_equal(other[0], images[0])
+
+
+async def test_diffusion_benchmark_request_is_honoured(http: httpx.AsyncClient, serve: ImageServe) -> None:
+    # benchmarks/diffusion_benchmark_serving.py: model and messages at the top, everything else nested.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Random prompt 0 for benchmarking diffusion models"}],
+        "extra_body": {"height": 16, "width": 32, "num_inference_steps": 2, "seed": 5},
+    }
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    (image,) = _chat_pixels(resp.json())
+    assert image.shape == (16, 32, 3)
+    assert int(image[0, 0, 0]) == 5
+    assert serve.engines["denoise"].requests[0].request.params.image.num_inference_steps == 2
+
+
+async def test_images_api_accepts_a_nested_extra_body(http: httpx.AsyncClient, serve: ImageServe) -> None:
+    # What ``images.generate(..., extra_body={...})`` means, written out by hand (curl, requests).
+    body = {"prompt": "a fox", "size": "16x16", "extra_body": {"seed": 9, "num_inference_steps": 4}}
+    resp = await http.post("/v1/images/generations", json=body)
+    assert resp.status_code == 200, resp.text
+    assert int(np.asarray(_png(resp.json()["data"][0]["b64_json"]))[0, 0, 0]) == 9
+    assert serve.engines["denoise"].requests[0].request.params.image.num_inference_steps == 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/images/generations", {"prompt": "a", "seed": 1, "extra_body": {"seed": 2}}, "extra_body.seed"),
+        ("/v1/images/generations", {"prompt": "a", "extra_body": {"extra_body": {}}}, "extra_body.extra_body"),
+        ("/v1/images/generations", {"prompt": "a", "extra_body": {"num_inference_steps": 0}}, "num_inference_steps"),
+        ("/v1/images/generations", {"prompt": "a", "extra_body": "seed=1"}, "extra_body"),
+        ("/v1/images/generations", {"prompt": "a", "stream": True, "partial_images": 4}, "partial_images"),
+        ("/v1/chat/completions", {"extra_body": {"height": 16}}, "width"),
+        ("/v1/chat/completions", {"n": 2, "extra_body": {"num_outputs_per_prompt": 3}}, "num_outputs_per_prompt"),
+        ("/v1/chat/completions", {"extra_body": {"num_outputs_per_prompt": 11}}, "num_outputs_per_prompt"),
+        ("/v1/chat/completions", {"extra_body": {"stream": True}}, "stream"),
+    ],
+)
+async def test_nested_extra_body_is_validated_like_the_top_level(
+    http: httpx.AsyncClient, serve: ImageServe, path: str, body: dict[str, Any], param: str
+) -> None:
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": "a cat"}], **body}
+    resp = await http.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert serve.requests() == 0
+
+
+async def test_openai_image_stream_yields_completed_events(client: openai.AsyncOpenAI) -> None:
+    stream = await client.images.generate(
+        model=MODEL,
+        prompt="a red cat",
+        size="32x16",  # type: ignore[arg-type]
+        n=2,
+        stream=True,
+        partial_images=2,
+        extra_body={"seed": 11},
+    )
+    events = [event async for event in stream]
+    assert [e.type for e in events] == ["image_generation.completed"] * 2
+    images = [np.asarray(_png(e.b64_json)) for e in events]
+    assert [im.shape for im in images] == [(16, 32, 3)] * 2
+    assert [int(im[0, 0, 0]) for im in images] == [11, 12]
+    assert {e.size for e in events} == {"32x16"}
+
+
+async def test_a_refused_image_stream_is_a_400_not_an_empty_stream(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="multiple of 16"):
+        await client.images.generate(model=MODEL, prompt="a cat", size="24x24", stream=True)  # type: ignore[arg-type]

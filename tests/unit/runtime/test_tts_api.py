@@ -20,6 +20,7 @@ from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.metrics import StageMetricsFamily
+from omnimodel_runtime.protocol.speech import resolve_voice
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
@@ -266,3 +267,17 @@ async def test_a_seed_no_generator_takes_is_a_400_naming_it(
     assert acoustic.requests == []
     ok = await http.post("/v1/audio/speech", json={"model": "tts", "input": "Hi", "seed": 2**63 - 1})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("voice", "spoken"),
+    [(None, "default"), ("default", "default"), ("Alloy", "default"), ("nova", "default"), ("Lisa", "lisa")],
+)
+def test_openai_and_vllm_omni_voice_names_resolve_onto_the_speakers(voice: str | None, spoken: str) -> None:
+    assert resolve_voice(voice, ["default", "lisa"], "default", param="voice") == spoken
+
+
+def test_an_unknown_voice_lists_the_voices() -> None:
+    with pytest.raises(StageError, match="speaks with: default, lisa") as err:
+        resolve_voice("bob", ["default", "lisa"], "default", param="voice")
+    assert (err.value.status, err.value.param) == (400, "voice")

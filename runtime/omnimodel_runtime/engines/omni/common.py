@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
+from omnimodel_runtime.protocol.speech import resolve_voice
 from omnimodel_runtime.protocol.stage import (
     StageRequest,
     TensorFrame,
@@ -182,20 +183,8 @@ class Speakers:
         return DEFAULT_VOICE if DEFAULT_VOICE in self.entries else self.names[0]
 
     def resolve(self, voice: str | None, *, param: str = "audio.voice") -> str:
-        """The speaker-map key for ``voice`` (case-insensitive); the default when unset or ``"default"``
-        (the speech API's name for "no particular voice", unless the map has a voice of that name)."""
-        if voice is None:
-            return self.default
-        for name in self.entries:
-            if name.lower() == voice.lower():
-                return name
-        if voice.lower() == "default":
-            return self.default
-        raise StageError(
-            f"unknown voice {voice!r}; this model speaks with: {', '.join(self.names)}",
-            status=400,
-            param=param,
-        )
+        """The speaker-map key for ``voice`` (:func:`~omnimodel_runtime.protocol.speech.resolve_voice`)."""
+        return resolve_voice(voice, self.names, self.default, param=param)
 
     def __getitem__(self, name: str) -> Mapping[str, Any]:
         return self.entries[name]

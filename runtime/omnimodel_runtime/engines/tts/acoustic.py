@@ -48,6 +48,7 @@ from omnimodel_runtime.engines.tts.common import (
 from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.layout import ACOUSTIC_DIR, VOICES_DIR
+from omnimodel_runtime.protocol.speech import resolve_voice
 from omnimodel_runtime.protocol.stage import (
     QUERY_VOICES,
     FinalFrame,
@@ -168,11 +169,7 @@ class SpeechT5AcousticEngine(WorkerEngine[_Utterance]):
         text = request.prompt or ""
         if not text.strip():
             raise StageError("the input text is empty", status=400, param="input")
-        voice = request.params.voice or DEFAULT_VOICE
-        if voice not in self._voices:
-            raise StageError(
-                f"unknown voice {voice!r} (this model has: {', '.join(self.voices)})", status=400, param="voice"
-            )
+        voice = resolve_voice(request.params.voice, self.voices, DEFAULT_VOICE, param="voice")
         speed = checked_speed(request.params.speed)
         ids: list[int] = self._tokenizer(text).input_ids
         if len(ids) > self._max_tokens:
