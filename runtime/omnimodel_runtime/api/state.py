@@ -9,6 +9,7 @@ from fastapi import Request
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.serving.chat_audio import ChatAudioService
 from omnimodel_runtime.serving.images import ImageService
+from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.speech import SpeechService
 from omnimodel_runtime.serving.text import ChatService, CompletionService
@@ -30,8 +31,15 @@ class APIState:
     api_key: str | None
 
     @classmethod
-    def create(cls, orchestrator: Orchestrator, *, request_timeout: float, api_key: str | None) -> APIState:
-        chat = ChatService(orchestrator, request_timeout=request_timeout)
+    def create(
+        cls,
+        orchestrator: Orchestrator,
+        *,
+        request_timeout: float,
+        api_key: str | None,
+        media: MediaPolicy = NO_FETCH,
+    ) -> APIState:
+        chat = ChatService(orchestrator, request_timeout=request_timeout, media=media)
         return cls(
             pipeline=orchestrator.pipeline,
             orchestrator=orchestrator,

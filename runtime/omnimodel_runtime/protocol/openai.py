@@ -124,14 +124,38 @@ class _SamplingFields(OpenAIRequestModel):
 # ---------------------------------------------------------------- chat
 
 
+# The media content parts a user message may carry (serving.media says which a model takes).
+INPUT_AUDIO_PART: Final = "input_audio"
+IMAGE_URL_PART: Final = "image_url"
+TEXT_PART: Final = "text"
+
+
+class InputAudio(OpenAIRequestModel):
+    """``input_audio`` of an ``input_audio`` part: a whole audio file, base64 (OpenAI's formats plus flac)."""
+
+    data: Annotated[str, Field(min_length=1)]
+    format: Literal["wav", "mp3", "flac"]
+
+
+class ImageURLParam(OpenAIRequestModel):
+    """``image_url`` of an ``image_url`` part: a ``data:image/...;base64,`` URL, or an http(s) URL the
+    gateway fetches only when allowed to (``OMNIMODEL_MEDIA_FETCH``). ``detail`` is accepted and ignored."""
+
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(OpenAIRequestModel):
-    """One part of a multi-part message. Text presets render only ``text`` parts; media types arrive
-    with the omni presets and are kept (``extra="allow"``) for them."""
+    """One part of a multi-part message: ``text``, ``input_audio`` or ``image_url``. Any other type is
+    kept (``extra="allow"``) so that the serving layer refuses it with a 400 naming the part, as it
+    refuses media the model cannot take, instead of the schema hiding which part was wrong."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
+    image_url: ImageURLParam | None = None
 
 
 class ChatMessageParam(OpenAIRequestModel):

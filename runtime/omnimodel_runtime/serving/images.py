@@ -38,6 +38,7 @@ from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
 from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.media import check_text_only
 
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 _PNG_COLOR_TYPES: Final = {1: 0, 3: 2, 4: 6}  # grey, RGB, RGBA
@@ -147,6 +148,8 @@ class ImageService(Service):
             raise APIError(
                 f"model {self.model_name!r} answers with images; modalities must include image", param="modalities"
             )
+        # Text to image reads the text of the messages only: any other part is refused, not dropped.
+        check_text_only(req.messages, model=self.model_name)
         prompt = prompt_from_messages(req.messages)
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")
