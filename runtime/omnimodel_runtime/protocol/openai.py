@@ -146,16 +146,18 @@ class ImageURLParam(OpenAIRequestModel):
 
 
 class ContentPart(OpenAIRequestModel):
-    """One part of a multi-part message: ``text``, ``input_audio`` or ``image_url``. Any other type is
-    kept (``extra="allow"``) so that the serving layer refuses it with a 400 naming the part, as it
-    refuses media the model cannot take, instead of the schema hiding which part was wrong."""
+    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`) or ``image_url``
+    (:class:`ImageURLParam`). Any other type is kept (``extra="allow"``), and the media payloads are
+    validated by the serving layer (``serving.media``), so that every problem with a part is a 400 whose
+    ``param`` names the part (``messages[0].content[1]``): inside ``content``'s union a schema error
+    would name the union's first member (``messages.0.content.str``) instead."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
-    input_audio: InputAudio | None = None
-    image_url: ImageURLParam | None = None
+    input_audio: Any = None
+    image_url: Any = None
 
 
 class ChatMessageParam(OpenAIRequestModel):

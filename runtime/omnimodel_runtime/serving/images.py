@@ -142,14 +142,14 @@ class ImageService(Service):
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
         """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""
         self.check_model(req.model)
+        # Text to image reads the text of the messages only: any other part is refused, not dropped.
+        check_text_only(req.messages, model=self.model_name)
         if req.stream:
             raise APIError("streaming is not supported when the answer is an image; send stream=false", param="stream")
         if req.modalities is not None and "image" not in req.modalities:
             raise APIError(
                 f"model {self.model_name!r} answers with images; modalities must include image", param="modalities"
             )
-        # Text to image reads the text of the messages only: any other part is refused, not dropped.
-        check_text_only(req.messages, model=self.model_name)
         prompt = prompt_from_messages(req.messages)
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")

@@ -20,10 +20,11 @@ import binascii
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import httpx
 import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.openai import (
@@ -32,6 +33,8 @@ from omnimodel_runtime.protocol.openai import (
     TEXT_PART,
     ChatMessageParam,
     ContentPart,
+    ImageURLParam,
+    InputAudio,
 )
 from omnimodel_runtime.protocol.stage import MediaInput
 from omnimodel_runtime.serving.errors import APIError
@@ -155,10 +158,11 @@ def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, b
     if part.type == INPUT_AUDIO_PART:
         if part.input_audio is None:
             raise APIError(f"{param}: an input_audio part needs input_audio.data and input_audio.format", param=param)
-        return part.input_audio.format, _b64(part.input_audio.data, param), None
+        audio = _validated(InputAudio, part.input_audio, f"{param}.input_audio")
+        return audio.format, _b64(audio.data, param), None
     if part.image_url is None:
         raise APIError(f"{param}: an image_url part needs image_url.url", param=param)
-    url = part.image_url.url
+    url = _validated(ImageURLParam, part.image_url, f"{param}.image_url").url
     match = _DATA_URL.fullmatch(url)
     if match is not None:
         mime = match["mime"].lower()
@@ -176,6 +180,19 @@ def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, b
             param=param,
         )
     return "", None, url
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validated(model: type[_M], value: Any, where: str) -> _M:
+    """``value`` as ``model``, or a 400 naming the field that is wrong (``messages[0].content[1]...``)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        raise APIError(f"{where}{field}: {first['msg']}", param=f"{where}{field}") from None
 
 
 def _b64(text: str, param: str) -> bytes:
