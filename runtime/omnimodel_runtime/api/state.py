@@ -11,6 +11,7 @@ from fastapi import Request
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.serving.chat_audio import ChatAudioService, default_modalities
 from omnimodel_runtime.serving.images import ImageService
+from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.speech import SpeechService
 from omnimodel_runtime.serving.text import ChatService, CompletionService
@@ -41,8 +42,9 @@ class APIState:
         request_timeout: float,
         api_key: str | None,
         chat_modalities: Sequence[str] = ("text",),
+        media: MediaPolicy = NO_FETCH,
     ) -> APIState:
-        chat = ChatService(orchestrator, request_timeout=request_timeout)
+        chat = ChatService(orchestrator, request_timeout=request_timeout, media=media)
         return cls(
             pipeline=orchestrator.pipeline,
             orchestrator=orchestrator,

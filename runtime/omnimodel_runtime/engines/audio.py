@@ -73,3 +73,23 @@ class TimeStretch:
             self._base = keep_from
         result: np.ndarray = out.astype(np.float32, copy=False)
         return result
+
+
+def resample(waveform: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
+    """``waveform`` (mono float32) at ``target_rate``: band-limited resampling in the frequency domain
+    (what ``scipy.signal.resample`` does; neither scipy nor librosa is a dependency of the runtime). The
+    spectrum is cut (or zero-padded) at the new Nyquist frequency, so downsampling does not alias; the
+    signal is treated as periodic, which matters only in the few samples at its ends."""
+    if source_rate <= 0:
+        raise StageError(f"the audio declares a sample rate of {source_rate} Hz", status=400)
+    if source_rate == target_rate or waveform.size == 0:
+        return waveform
+    n_out = max(1, round(waveform.size * target_rate / source_rate))
+    spectrum = np.fft.rfft(waveform.astype(np.float64))
+    bins = n_out // 2 + 1
+    if bins <= spectrum.size:
+        spectrum = spectrum[:bins]
+    else:
+        spectrum = np.concatenate([spectrum, np.zeros(bins - spectrum.size, dtype=spectrum.dtype)])
+    out = np.fft.irfft(spectrum, n=n_out) * (n_out / waveform.size)
+    return out.astype(np.float32)

@@ -24,6 +24,7 @@ from omnimodel_runtime.api.state import APIState
 from omnimodel_runtime.metrics import GatewayMetrics, StageTraffic
 from omnimodel_runtime.pipeline import Pipeline, Route
 from omnimodel_runtime.serving.images import answers_chat_with_images
+from omnimodel_runtime.serving.media import MediaPolicy
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
@@ -98,6 +99,7 @@ def build_app(
         request_timeout=settings.request_timeout,
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         chat_modalities=settings.chat_default_modalities,
+        media=MediaPolicy(fetch=settings.media_fetch, max_bytes=settings.media_max_bytes),
     )
     install_error_handlers(app)
     install_openapi(app)

@@ -67,6 +67,13 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
 }
 
 
+# What the entry stage of each task takes from a chat beside text (content parts of user messages); a
+# task not named here takes text only, and the gateway refuses any other part with a 400 naming it.
+TASK_INPUTS: Final[Mapping[str, tuple[Modality, ...]]] = {
+    "omni-thinker": (Modality.TEXT, Modality.AUDIO, Modality.IMAGE),
+}
+
+
 class Vendor(StrEnum):
     """Accelerator vendor; ``cpu`` means no device at all."""
 
@@ -199,6 +206,11 @@ class Pipeline(_Model):
     def entry(self) -> Stage:
         """The stage that receives client requests (the only one without inputs)."""
         return next(s for s in self.stages if not s.inputs)
+
+    @property
+    def input_modalities(self) -> tuple[Modality, ...]:
+        """What a chat request may hand the entry stage (:data:`TASK_INPUTS`; text only by default)."""
+        return TASK_INPUTS.get(self.entry.task, (Modality.TEXT,))
 
     def downstream(self, name: str) -> list[Stage]:
         return [s for s in self.stages if name in s.inputs]

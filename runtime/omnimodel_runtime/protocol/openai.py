@@ -169,14 +169,40 @@ class _SamplingFields(OpenAIRequestBody):
 # ---------------------------------------------------------------- chat
 
 
+# The media content parts a user message may carry (serving.media says which a model takes).
+INPUT_AUDIO_PART: Final = "input_audio"
+IMAGE_URL_PART: Final = "image_url"
+TEXT_PART: Final = "text"
+
+
+class InputAudio(OpenAIRequestModel):
+    """``input_audio`` of an ``input_audio`` part: a whole audio file, base64 (OpenAI's formats plus flac)."""
+
+    data: Annotated[str, Field(min_length=1)]
+    format: Literal["wav", "mp3", "flac"]
+
+
+class ImageURLParam(OpenAIRequestModel):
+    """``image_url`` of an ``image_url`` part: a ``data:image/...;base64,`` URL, or an http(s) URL the
+    gateway fetches only when allowed to (``OMNIMODEL_MEDIA_FETCH``). ``detail`` is accepted and ignored."""
+
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(OpenAIRequestModel):
-    """One part of a multi-part message. Text presets render only ``text`` parts; media types arrive
-    with the omni presets and are kept (``extra="allow"``) for them."""
+    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`) or ``image_url``
+    (:class:`ImageURLParam`). Any other type is kept (``extra="allow"``), and the media payloads are
+    validated by the serving layer (``serving.media``), so that every problem with a part is a 400 whose
+    ``param`` names the part (``messages[0].content[1]``): inside ``content``'s union a schema error
+    would name the union's first member (``messages.0.content.str``) instead."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
+    input_audio: Any = None
+    image_url: Any = None
 
 
 class ChatMessageParam(OpenAIRequestModel):

@@ -69,6 +69,20 @@ class StageParams(_Model):
     image: TextToImageParams = TextToImageParams()
 
 
+class MediaInput(_Model):
+    """An audio or image part of the chat ``messages``, in the order the parts appear there (the
+    messages keep a ``{"type": "audio"}`` / ``{"type": "image"}`` placeholder part in its place). Its
+    bytes, still encoded (a WAV/MP3/FLAC file, a PNG/JPEG/... image), are the request tensor named
+    ``tensor`` (uint8): in process as they are, across processes in the request frame."""
+
+    kind: Literal["audio", "image"]
+    tensor: Annotated[str, Field(min_length=1)]
+    # audio: wav, mp3 or flac; image: its MIME type as the client gave it (the bytes decide).
+    format: str
+    # Where the client put it (``messages[0].content[1]``): the ``param`` of an error about it.
+    param: str
+
+
 class StageRequest(_Model):
     """The header of a stage request. Exactly one of ``messages``/``prompt``/``prompt_token_ids`` is
     the input of a ``text-generation`` stage; later tasks read their inputs from ``params`` and tensors.
@@ -78,6 +92,8 @@ class StageRequest(_Model):
     messages: tuple[Mapping[str, Any], ...] | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[TokenId, ...] | None = None
+    # The audio and image parts of ``messages`` (only entry stages that take them get any).
+    media: tuple[MediaInput, ...] = ()
     sampling: SamplingParams = SamplingParams()
     # Absolute wall-clock time (Unix seconds) after which the stage abandons the request.
     deadline: float | None = None

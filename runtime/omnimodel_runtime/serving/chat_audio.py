@@ -141,13 +141,15 @@ class ChatAudioService:
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         request_id = self.chat.request_id()
-        base = self.chat.stage_request(req, request_id)
+        base = await self.chat.stage_input(req, request_id)
         params = StageParams(
             modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=req.stream, voice=self.voice(req)
         )
-        stage_request = base.model_copy(update={"params": params})
+        stage_request = base.request.model_copy(update={"params": params})
         # The transcript is the thinker's text, so text is produced even when only audio is asked for.
-        chain = self.chat.orchestrator.generate_chain(stage_request, [Modality.TEXT, Modality.AUDIO])
+        chain = self.chat.orchestrator.generate_chain(
+            stage_request, [Modality.TEXT, Modality.AUDIO], tensors=base.tensors
+        )
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
         audio_id = f"audio_{request_id}"
         audio_format = req.audio.format if req.audio is not None else "wav"

@@ -41,6 +41,7 @@ from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
 from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.media import check_text_only
 from omnimodel_runtime.serving.sse import DONE, sse
 
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
@@ -145,6 +146,8 @@ class ImageService(Service):
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
         """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""
         self.check_model(req.model)
+        # Text to image reads the text of the messages only: any other part is refused, not dropped.
+        check_text_only(req.messages, model=self.model_name)
         if req.stream:
             raise APIError("streaming is not supported when the answer is an image; send stream=false", param="stream")
         if req.modalities is not None and "image" not in req.modalities:

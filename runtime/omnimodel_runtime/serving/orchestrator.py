@@ -8,6 +8,8 @@ import itertools
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from omnimodel_runtime.pipeline import Modality, Pipeline, Stage
 from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, ResponseFrame, StageInput, StageRequest
 from omnimodel_runtime.serving.errors import APIError
@@ -47,8 +49,15 @@ class Orchestrator:
             )
         return self.pipeline.stages_for(wanted)
 
-    def generate(self, request: StageRequest, modalities: Iterable[Modality]) -> AsyncIterator[ResponseFrame]:
-        """Stream the frames that answer a single-stage request (text on the text preset)."""
+    def generate(
+        self,
+        request: StageRequest,
+        modalities: Iterable[Modality],
+        *,
+        tensors: Mapping[str, np.ndarray] | None = None,
+    ) -> AsyncIterator[ResponseFrame]:
+        """Stream the frames that answer a single-stage request (text on the text preset); ``tensors``
+        go with the request (a chat's media)."""
         stages = self.plan(modalities)
         if len(stages) != 1:
             raise APIError(
@@ -56,10 +65,14 @@ class Orchestrator:
                 status=501,
                 type="not_implemented",
             )
-        return self.handles[stages[0].name].generate(StageInput(request=request))
+        return self.handles[stages[0].name].generate(StageInput(request=request, tensors=tensors or {}))
 
     async def generate_chain(
-        self, request: StageRequest, modalities: Iterable[Modality]
+        self,
+        request: StageRequest,
+        modalities: Iterable[Modality],
+        *,
+        tensors: Mapping[str, np.ndarray] | None = None,
     ) -> AsyncIterator[tuple[Stage, ResponseFrame]]:
         """Run every stage ``modalities`` need as one streaming chain; yield ``(stage, frame)`` for what
         the client gets.
@@ -71,7 +84,8 @@ class Orchestrator:
         end-of-input marker. Client frames arrive in production order; every stage's ``FinalFrame`` is
         yielded too (the caller merges usage). On an ``ErrorFrame`` or a raised error the chain stops:
         the error is raised here, and every stage still running is cancelled (closing its stream aborts
-        the request in the engine, or the HTTP request to a remote stage).
+        the request in the engine, or the HTTP request to a remote stage). ``tensors`` go with the
+        request to the entry stage (a chat's media); later stages get the request alone.
         """
         wanted = list(modalities)
         stages = self.plan(wanted)
@@ -94,7 +108,9 @@ class Orchestrator:
             stage = stages[k]
             upstream = drain(feeds[k - 1]) if k > 0 else None
             feed = feeds[k] if k < len(feeds) else None
-            async for frame in self.handles[stage.name].generate(StageInput(request=request, upstream=upstream)):
+            given = (tensors or {}) if k == 0 else {}
+            inp = StageInput(request=request, tensors=given, upstream=upstream)
+            async for frame in self.handles[stage.name].generate(inp):
                 if isinstance(frame, ErrorFrame):
                     raise frame.to_error()
                 if feed is not None:

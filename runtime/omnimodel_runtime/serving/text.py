@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -23,7 +22,6 @@ from omnimodel_runtime.protocol.openai import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
-    ChatMessageParam,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -33,9 +31,18 @@ from omnimodel_runtime.protocol.openai import (
     UsageInfo,
     stop_list,
 )
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, SamplingParams, StageRequest, TextFrame
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageInput,
+    StageRequest,
+    TextFrame,
+)
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, chat_content
+from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.sse import event_stream, sse
 
 
@@ -131,22 +138,16 @@ class TextService(Service):
         return event_stream(events(), frames)
 
 
-def _message_dict(message: ChatMessageParam) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role}
-    if isinstance(message.content, list):
-        out["content"] = [part.model_dump(exclude_none=True) for part in message.content]
-    else:
-        out["content"] = message.content or ""
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
 class ChatService(TextService):
     """``/v1/chat/completions``."""
 
-    def stage_request(self, req: ChatCompletionRequest, request_id: str) -> StageRequest:
-        """Validate ``req`` and translate it for the entry stage."""
+    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float, media: MediaPolicy = NO_FETCH) -> None:
+        super().__init__(orchestrator, request_timeout=request_timeout)
+        self.media = media
+
+    async def stage_input(self, req: ChatCompletionRequest, request_id: str) -> StageInput:
+        """Validate ``req`` and translate it for the entry stage: the request, and the bytes of its media
+        (audio and images; remote images fetched when the media policy allows)."""
         self.check_common(req)
         if req.logprobs:
             raise APIError("logprobs are not supported", param="logprobs")
@@ -164,13 +165,19 @@ class ChatService(TextService):
                 "only 'text' is served",
                 param="response_format",
             )
-        return StageRequest(
+        content = chat_content(
+            req.messages, accepts=self.orchestrator.pipeline.input_modalities, model=self.model_name, policy=self.media
+        )
+        await content.fetch(self.media)
+        request = StageRequest(
             request_id=request_id,
-            messages=tuple(_message_dict(m) for m in req.messages),
+            messages=content.messages,
+            media=content.media,
             sampling=self.sampling(req, req.effective_max_tokens),
             deadline=self.deadline(),
             stream=req.stream,
         )
+        return StageInput(request=request, tensors=content.tensors)
 
     def modalities(self, req: ChatCompletionRequest) -> list[Modality]:
         return [Modality(m) for m in (req.modalities or ["text"])]
@@ -178,8 +185,8 @@ class ChatService(TextService):
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
         """A full response, or (``stream=true``) the SSE body."""
         request_id = self.request_id()
-        stage_request = self.stage_request(req, request_id)
-        frames = self.orchestrator.generate(stage_request, self.modalities(req))
+        inp = await self.stage_input(req, request_id)
+        frames = self.orchestrator.generate(inp.request, self.modalities(req), tensors=inp.tensors)
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
         if not req.stream:
             result = await collect(frames)

@@ -1,7 +1,8 @@
 """The tiny model of the ``qwen2.5-omni`` preset: a random-weight ``Qwen2_5OmniForConditionalGeneration``.
 
 One full checkpoint, laid out like the released one (``thinker.*``, ``talker.*``, ``token2wav.*`` weights in
-``model.safetensors``, ``spk_dict.pt``, tokenizer and chat template), so the stage engines load their part
+``model.safetensors``, ``spk_dict.pt``, tokenizer, the released chat template and ``preprocessor_config.json``
+for the audio feature extractor and image processor), so the stage engines load their part
 from it exactly as they load the real model. Sizes honour the architecture's constraints
 (``sum(mrope_section) == head_dim / 2`` for thinker text and talker, ``talker.embedding_size`` and the
 encoders' output width equal to the thinker's hidden size, ``dit.num_embeds >= talker vocab``) and keep the
@@ -25,7 +26,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5OmniConfig,
+    Qwen2_5OmniForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    WhisperFeatureExtractor,
+)
 from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.layout import OMNI_GENERATION_FILE, OMNI_SPEAKER_FILE
@@ -51,7 +58,40 @@ EXTRA_TOKENS: Final = (
     *(f"<|spk_{v.lower()}|>" for v in VOICES),
 )
 
+# The tokenizer attributes the released tokenizer_config names (the processor looks them up by name).
+NAMED_TOKENS: Final[dict[str, str]] = {
+    "audio_token": AUDIO,
+    "audio_bos_token": AUDIO_BOS,
+    "audio_eos_token": AUDIO_EOS,
+    "image_token": IMAGE,
+    "video_token": VIDEO,
+    "vision_bos_token": VISION_BOS,
+    "vision_eos_token": VISION_EOS,
+}
+
+# Qwen2.5-Omni's chat template (the released one, without its default system prompt): audio, image and
+# video parts become their placeholders, which the processor expands to one token per encoder output.
+CHAT_TEMPLATE: Final = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
+    "{%- elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
+    "{%- elif content['type'] == 'video' or 'video' in content %}"
+    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
+    "{%- elif content['type'] == 'text' %}{{- content['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 THINKER_HIDDEN: Final = 64
+# Mel bins of the tiny audio encoder; its feature extractor must agree.
+N_MELS: Final = 16
 CODEC_TOKENS: Final = 64  # real codec ids 0..63; the four control ids follow
 # Target RMS of the tiny vocoder's output: clearly audible, far from clipping.
 TARGET_RMS: Final = 0.1
@@ -191,7 +231,7 @@ def _config(ids: dict[str, int], vocab: int, eos: int, pad: int) -> Qwen2_5OmniC
     thinker = {
         "text_config": text,
         "audio_config": {
-            "num_mel_bins": 16,
+            "num_mel_bins": N_MELS,
             "encoder_layers": 1,
             "encoder_attention_heads": 2,
             "encoder_ffn_dim": 32,
@@ -278,6 +318,38 @@ def _config(ids: dict[str, int], vocab: int, eos: int, pad: int) -> Qwen2_5OmniC
     )
 
 
+def preprocessor_config(mel_bins: int) -> dict[str, Any]:
+    """``preprocessor_config.json`` as the released checkpoint has it: the audio feature extractor's and
+    the image processor's settings in one file, ``processor_class`` naming the Omni processor (the video
+    processor takes the image settings). Written as data: instantiating the processor needs torchvision,
+    which the project's environment does not carry."""
+    audio = WhisperFeatureExtractor(feature_size=mel_bins, chunk_length=300, n_samples=4800000, nb_max_frames=30000)
+    merged: dict[str, Any] = {**Qwen2VLImageProcessor().to_dict(), **audio.to_dict()}
+    merged["processor_class"] = "Qwen2_5OmniProcessor"
+    merged["return_attention_mask"] = True  # the thinker's audio encoder reads feature_attention_mask
+    return merged
+
+
+def _tokenizer(seed: int) -> PreTrainedTokenizerFast:
+    """The text preset's tokenizer plus the placeholder, TTS and speaker tokens, named as the released
+    tokenizer names them (Qwen2_5OmniProcessor reads ``tokenizer.audio_token`` and its kin), with the
+    released chat template."""
+    trained = build_tokenizer(seed)
+    trained.add_special_tokens({"additional_special_tokens": list(EXTRA_TOKENS)})
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=trained.backend_tokenizer,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        model_max_length=trained.model_max_length,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        extra_special_tokens=NAMED_TOKENS,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
 def _speakers(ids: dict[str, int], config: Qwen2_5OmniConfig, seed: int) -> dict[str, dict[str, Any]]:
     """``spk_dict.pt`` entries as the released file has them: ``{bos_token, cond, ref_mel}`` per voice."""
     dit = config.token2wav_config.dit_config
@@ -326,8 +398,7 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
         raise ValueError(f"unknown size {size!r} for preset qwen2.5-omni (known: {', '.join(SIZES)})")
     real = size != "tiny"
     hf_logging.disable_progress_bar()
-    tokenizer = build_tokenizer(seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(EXTRA_TOKENS)})
+    tokenizer = _tokenizer(seed)
     ids = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in EXTRA_TOKENS}
     eos = int(tokenizer.convert_tokens_to_ids(IM_END))
     pad = int(tokenizer.convert_tokens_to_ids(ENDOFTEXT))
@@ -366,6 +437,10 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
         model = model.to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    mel_bins = int(config.thinker_config.audio_config.num_mel_bins)
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor_config(mel_bins), indent=2, sort_keys=True) + "\n"
+    )
     torch.save(speakers, out / OMNI_SPEAKER_FILE)
     generation = REAL_GENERATION if real else TINY_GENERATION
     (out / OMNI_GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")

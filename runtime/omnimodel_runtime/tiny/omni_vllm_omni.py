@@ -30,13 +30,11 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5OmniConfig,
     Qwen2_5OmniForConditionalGeneration,
-    Qwen2VLImageProcessor,
-    WhisperFeatureExtractor,
 )
 from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.layout import OMNI_SPEAKER_FILE as SPEAKER_FILE
-from omnimodel_runtime.tiny.omni import _make_audible
+from omnimodel_runtime.tiny.omni import CHAT_TEMPLATE, NAMED_TOKENS, _make_audible, preprocessor_config
 from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, IM_START, _silence_unprintable, build_tokenizer
 
 PRESET: Final = "qwen2.5-omni-vllm-omni"
@@ -58,16 +56,6 @@ SPECIAL_IDS: Final[dict[str, int]] = {
     "<|IMAGE|>": 151655,
     "<|VIDEO|>": 151656,
 }
-# The tokenizer attributes the released tokenizer_config names (the processor looks them up by name).
-NAMED_TOKENS: Final[dict[str, str]] = {
-    "audio_token": "<|AUDIO|>",
-    "audio_bos_token": "<|audio_bos|>",
-    "audio_eos_token": "<|audio_eos|>",
-    "image_token": "<|IMAGE|>",
-    "video_token": "<|VIDEO|>",
-    "vision_bos_token": "<|vision_bos|>",
-    "vision_eos_token": "<|vision_eos|>",
-}
 THINKER_VOCAB: Final = 151936
 # Thinker-vocabulary ids past the tokenizer that the talker's prompt is built from.
 TTS_TEXT_PAD, TTS_TEXT_BOS, TTS_TEXT_EOD = 151859, 151860, 151861
@@ -80,25 +68,6 @@ USER_TOKEN_ID: Final = 872  # the released config's value; only get_rope_index r
 THINKER_HIDDEN: Final = 64
 HEAD_DIM: Final = 32  # vLLM's CPU attention supports 32 and up
 N_MELS: Final = 16  # tiny audio encoder; the feature extractor must agree
-
-# Qwen2.5-Omni's chat template (the released one, without its default system prompt).
-CHAT_TEMPLATE: Final = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for content in message['content'] %}"
-    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{%- elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
-    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{%- elif content['type'] == 'video' or 'video' in content %}"
-    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{%- elif content['type'] == 'text' %}{{- content['text'] }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def build_tokenizer_at_released_ids(seed: int) -> tuple[PreTrainedTokenizerFast, int]:
@@ -263,18 +232,6 @@ def _speakers(config: Qwen2_5OmniConfig, seed: int) -> dict[str, dict[str, Any]]
     }
 
 
-def _preprocessor_config() -> dict[str, Any]:
-    """``preprocessor_config.json`` as the released checkpoint has it: the audio feature extractor's and
-    the image processor's settings in one file, ``processor_class`` naming the Omni processor (the video
-    processor takes the image settings). Written as data: instantiating the processor needs torchvision,
-    which the project's environment does not carry."""
-    audio = WhisperFeatureExtractor(feature_size=N_MELS, chunk_length=300, n_samples=4800000, nb_max_frames=30000)
-    merged: dict[str, Any] = {**Qwen2VLImageProcessor().to_dict(), **audio.to_dict()}
-    merged["processor_class"] = "Qwen2_5OmniProcessor"
-    merged["return_attention_mask"] = True  # the thinker's audio encoder reads feature_attention_mask
-    return merged
-
-
 def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> None:
     """Write the checkpoint (``thinker.*``, ``talker.*``, ``token2wav.*``), speakers, tokenizer, processor."""
     if size != "tiny":
@@ -300,7 +257,9 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     _make_audible(model, speakers["Chelsie"], seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2, sort_keys=True) + "\n")
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor_config(N_MELS), indent=2, sort_keys=True) + "\n"
+    )
     torch.save(speakers, out / SPEAKER_FILE)
     (out / "README.md").write_text(
         "Random-weight Qwen2_5OmniForConditionalGeneration (tiny) with the token geometry vLLM-Omni "

@@ -42,7 +42,10 @@ class TinyBuilder:
 TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "text": TinyBuilder(module="omnimodel_runtime.tiny.text", function="build", extra="transformers"),
     "tts": TinyBuilder(module="omnimodel_runtime.tiny.tts", function="build", extra="tts"),
-    "qwen2.5-omni": TinyBuilder(module="omnimodel_runtime.tiny.omni", function="build", extra="transformers"),
+    # v2: the released chat template (audio and image parts) and a processor config (audio and image input).
+    "qwen2.5-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.omni", function="build", extra="transformers", version=2
+    ),
     # Qwen2.5-Omni with the token ids vLLM-Omni hard-codes, for the vllm-omni runtime.
     "qwen2.5-omni-vllm-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"

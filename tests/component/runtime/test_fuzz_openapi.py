@@ -119,8 +119,9 @@ def _cheap(path: str, body: Any, model: str, *, images: bool) -> Any:
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int):
             body[key] = min(body[key], MAX_TOKENS)
-    if "max_completion_tokens" not in body:
-        body.setdefault("max_tokens", MAX_TOKENS)
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+        # null is the server's default: as many tokens as the context holds (seconds on a loaded CPU).
+        body["max_tokens"] = MAX_TOKENS
     if isinstance(body.get("input"), str):
         body["input"] = body["input"][:40]
     return body

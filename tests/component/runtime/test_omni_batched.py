@@ -256,3 +256,25 @@ async def test_a_client_going_away_frees_every_stage(serve: tuple[Any, httpx.Asy
     assert not thinker._slots.holders
     # Stopped, not finished: far fewer thinker tokens than the 4000 asked for.
     assert generated((await http.get("/metrics")).text, "thinker") - before < 3000
+
+
+async def test_a_request_with_audio_and_an_image_runs_whole_through_generate_beside_the_batch(
+    serve: tuple[Any, httpx.AsyncClient], whole: Whole
+) -> None:
+    """The slot decoder does not carry the M-RoPE shift of media: such a request takes the one-at-a-time
+    path inside the batched thinker, so its text is the whole model's exactly, while a text request sent
+    with it still gets what it gets alone."""
+    from test_omni_inputs import audio_part, image_part, png_file, wav_file, whole_generate
+
+    _, http = serve
+    content = [audio_part(wav_file(1)), image_part(png_file()), {"type": "text", "text": "What is this?"}]
+    media = {**body(""), "messages": [{"role": "user", "content": content}], "modalities": ["text"]}
+    alone = await http.post("/v1/chat/completions", json=body("Count to ten.", modalities=["text"]))
+    both = await asyncio.gather(
+        http.post("/v1/chat/completions", json=media),
+        http.post("/v1/chat/completions", json=body("Count to ten.", modalities=["text"])),
+    )
+    assert all(r.status_code == 200 for r in (alone, *both)), [r.text for r in both]
+    text, _ = whole_generate(whole, content, speaker="Chelsie", max_tokens=24, seed=5, speech=False)
+    assert both[0].json()["choices"][0]["message"]["content"] == text
+    assert both[1].json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]

@@ -177,3 +177,28 @@ def test_speech_through_stage_processes_streams_what_the_file_holds(deployment: 
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 1  # code2wav's chunking tolerance, in 16 bits
     after = {name: stage_requests(metrics(deployment[name]), name) for name in STAGES}
     assert after == {name: count + 2 for name, count in before.items()}
+
+
+def test_voice_chat_through_stage_processes_answers_the_audio_as_the_whole_model_does(
+    deployment: dict[str, RuntimeProcess], whole: Whole
+) -> None:
+    """Audio and an image in, text and audio out: their bytes travel to the thinker process in the request
+    frame, the thinker's processor and encoders use them, and the answer is the whole model's."""
+    from test_omni_inputs import audio_part, image_part, png_file, wav_file, whole_generate
+
+    content = [audio_part(wav_file(1)), image_part(png_file()), {"type": "text", "text": "What is this?"}]
+    reply = client(deployment["gateway"]).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],  # type: ignore[list-item]
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"},
+        max_tokens=12,
+        temperature=0,
+        seed=13,
+    )
+    message = reply.choices[0].message
+    assert message.audio is not None
+    raw, _ = decoded_wav(message.audio.data)
+    text, wav = whole_generate(whole, content, speaker="Chelsie", max_tokens=12, seed=13, threads=THREADS)
+    assert (message.content, message.audio.transcript) == (text, text)
+    assert raw == wav

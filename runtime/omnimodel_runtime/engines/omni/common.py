@@ -47,6 +47,9 @@ REPLY_KIND: Final = "omni.thinker.reply"  # thinker -> talker, one row per gener
 CODES_KIND: Final = "omni.talker.codes"  # talker -> code2wav, codec codes as they are sampled
 RNG_KIND: Final = "omni.talker.rng"  # talker -> code2wav, the talker's generator state at its end
 AUDIO_META: Final = {"modality": "audio"}  # code2wav -> client (plus sample_rate)
+# Tensors of the prompt frame of a request with media: what the talker's M-RoPE positions need.
+AUDIO_LENGTHS: Final = "audio_feature_lengths"  # int64 (audios,): mel frames of each audio
+IMAGE_GRID: Final = "image_grid_thw"  # int64 (images, 3): each image's patch grid
 
 SAMPLE_RATE: Final = 24000
 # The whole model's generate() uses this voice when none is named.

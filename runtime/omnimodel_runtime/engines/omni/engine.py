@@ -132,6 +132,11 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         """Validate the request on the event loop (raise ``StageError`` 4xx); may fill ``job.data``."""
 
+    async def admit(self, inp: StageInput, job: OmniJob) -> None:
+        """What the event loop does with a request before the worker gets it: :meth:`prepare`, and in an
+        engine whose validation has blocking work (decoding media) that work on a thread first."""
+        self.prepare(inp, job)
+
     def query(self, request: StageRequest) -> list[ResponseFrame] | None:
         """The answer to a request that asks about the engine rather than for work (e.g. the voices),
         given on the event loop without the worker; ``None`` for ordinary requests."""
@@ -256,7 +261,7 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
                 yield frame
             return
         job = OmniJob(request=inp.request, engine=self)
-        self.prepare(inp, job)
+        await self.admit(inp, job)
         pump = asyncio.create_task(self._pump(inp.upstream, job)) if inp.upstream is not None else None
         try:
             async with contextlib.aclosing(self.stream(job)) as frames:

@@ -36,7 +36,9 @@ from transformers import (
 )
 
 from omnimodel_runtime.engines.omni.common import (
+    AUDIO_LENGTHS,
     CODES_KIND,
+    IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
@@ -195,7 +197,13 @@ class OmniTalkerEngine(OmniEngine):
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )
+        media = {
+            name: torch.from_numpy(np.array(prompt.tensors[name], dtype=np.int64)).to(self.device)
+            for name in (AUDIO_LENGTHS, IMAGE_GRID)
+            if name in prompt.tensors
+        }
         return _Call(
+            media=media,
             input_ids=input_ids,
             text_ids=text_ids,
             inputs_embeds=inputs_embeds,
@@ -223,6 +231,7 @@ class OmniTalkerEngine(OmniEngine):
                 pad_token_id=model.codec_pad_token,
                 use_audio_in_video=False,
                 stopping_criteria=StoppingCriteriaList([call.criterion]),
+                **call.media,
                 **{**call.generation, **extra},
             )
         finally:
@@ -401,6 +410,8 @@ class OmniTalkerEngine(OmniEngine):
 class _Call:
     """What ``generate()`` gets for one request, and what its decode steps continue from."""
 
+    # The prompt's audio feature lengths and image grids (its M-RoPE positions), when it has media.
+    media: dict[str, torch.Tensor]
     input_ids: torch.Tensor
     text_ids: torch.Tensor
     inputs_embeds: torch.Tensor

@@ -24,8 +24,10 @@ the reply as the answer to "repeat this text" under the released model's default
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,6 +45,8 @@ from transformers import (
 )
 
 from omnimodel_runtime.engines.omni.common import (
+    AUDIO_LENGTHS,
+    IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
     RngTurn,
@@ -55,6 +59,7 @@ from omnimodel_runtime.engines.omni.common import (
     voice_param,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.omni.inputs import decode, load_processor, processor_inputs
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
@@ -112,20 +117,6 @@ def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[i
     return list(given)
 
 
-def _only_text(request: StageRequest) -> None:
-    for i, message in enumerate(request.messages or ()):
-        content = message.get("content")
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise StageError(
-                        f"content part of type {kind!r} is not supported: this thinker takes text input only",
-                        status=400,
-                        param=f"messages.{i}.content",
-                    )
-
-
 class OmniThinkerEngine(OmniEngine):
     """``transformers`` adapter for the ``omni-thinker`` task."""
 
@@ -144,6 +135,10 @@ class OmniThinkerEngine(OmniEngine):
         # Token ids of the speech prompt before and after the input text (None: the template cannot).
         self._speech_frame: tuple[list[int], list[int]] | None = None
         self._slots: SlotTable | None = None  # batched serving: the decode slots
+        # Audio and image input: the checkpoint's processor (None: it ships none), used on threads of the
+        # event loop's executor one request at a time (its tokenizer is not safe to share).
+        self._processor: Any = None
+        self._processor_lock = threading.Lock()
         self._stream_priority = -1  # ahead of code2wav's DiT passes on a shared GPU
 
     @property
@@ -177,6 +172,7 @@ class OmniThinkerEngine(OmniEngine):
         self._tts_ids = (config.talker_config.tts_text_end_token_id, config.talker_config.tts_text_pad_token_id)
         if config.enable_audio_output:
             self._speakers = Speakers.load(model_dir)
+        self._processor = load_processor(model_dir)
         self._vocab = int(text_config.vocab_size)
         self._speech_frame = self._render_speech_frame(
             str(self.args.get("speech_system_prompt", SPEECH_SYSTEM_PROMPT)),
@@ -243,6 +239,39 @@ class OmniThinkerEngine(OmniEngine):
         async for _ in self.generate(StageInput(request=request)):
             pass
 
+    async def admit(self, inp: StageInput, job: OmniJob) -> None:
+        if inp.request.media:
+            # Decoding, resampling and feature extraction take a while (the released feature extractor
+            # pads every clip to 300 s): on a thread, not on the event loop.
+            job.data["media"] = await asyncio.to_thread(self._media_prompt, inp)
+        self.prepare(inp, job)
+
+    def _media_prompt(self, inp: StageInput) -> dict[str, Any]:
+        """The prompt of a request with audio or images: its token ids (each placeholder expanded to one
+        token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
+        request = inp.request
+        if self._processor is None:
+            raise StageError(
+                "this checkpoint ships no processor config (preprocessor_config.json): audio and image "
+                "input are not available",
+                status=400,
+                param=request.media[0].param,
+            )
+        rate = int(self._processor.feature_extractor.sampling_rate)
+        decoded = decode(request, inp.tensors, rate)
+        with self._processor_lock:
+            try:
+                text = self._processor.tokenizer.apply_chat_template(
+                    [dict(m) for m in request.messages or ()], add_generation_prompt=True, tokenize=False
+                )
+            except Exception as err:  # jinja errors and template-raised exceptions alike
+                raise StageError(f"cannot apply the chat template: {err}", status=400, param="messages") from err
+            inputs = processor_inputs(self._processor, str(text), decoded)
+        prompt_ids: list[int] = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask", None)
+        check_token_ids(prompt_ids, self._vocab)
+        return {"prompt_ids": prompt_ids, "inputs": inputs}
+
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
         reply: list[int] | None
@@ -252,8 +281,13 @@ class OmniThinkerEngine(OmniEngine):
                 raise StageError("input must contain text to speak", status=400, param="input")
             prompt_ids, reply = self.speech_prompt(text)
         else:
-            _only_text(request)
-            prompt_ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab)
+            media = job.data.get("media")
+            if request.media and media is None:
+                raise StageError("media input needs the engine's admit() (not prepare() alone)", status=500)
+            if media is not None:
+                prompt_ids = media["prompt_ids"]
+            else:
+                prompt_ids = render_prompt(self._tokenizer, request, vocab_size=self._vocab)
             reply = _reply_ids(request, self._vocab, self._defaults.eos_token_ids)
         if reply is not None:
             if not reply:
@@ -308,6 +342,7 @@ class OmniThinkerEngine(OmniEngine):
         reply: list[int] | None = job.data["reply"]
         if reply is not None:
             kwargs["logits_processor"] = LogitsProcessorList([_Force(reply, len(prompt_ids))])
+        kwargs.update(self._media_kwargs(job))
         try:
             out = self.model.generate(
                 input_ids=ids,
@@ -323,6 +358,17 @@ class OmniThinkerEngine(OmniEngine):
             if turn is not None:
                 turn.end()
         return out, criterion, turn
+
+    def _media_kwargs(self, job: OmniJob) -> dict[str, torch.Tensor]:
+        """The encoders' inputs of a request with media (features and pixels in the model's dtype)."""
+        media = job.data.get("media")
+        if media is None:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in media["inputs"].items():
+            moved = tensor.to(self.device)
+            out[name] = moved.to(self.dtype) if moved.is_floating_point() else moved
+        return out
 
     def run(self, job: OmniJob) -> None:
         _, criterion, _ = self._generate(job)
@@ -372,7 +418,13 @@ class OmniThinkerEngine(OmniEngine):
                 continue
             moved = True
             try:
-                if self._prefill(job):
+                if "media" in job.data:
+                    # Audio and images shift the M-RoPE positions of everything after them (rope_deltas),
+                    # which the slot decoder does not carry: such a request runs whole through
+                    # generate(), holding up the batch until it is done.
+                    self.run(job)
+                    finished.append(job)
+                elif self._prefill(job):
                     finished.append(job)
             except CancelledRequestError:
                 finished.append(job)
@@ -477,6 +529,20 @@ class OmniThinkerEngine(OmniEngine):
     def placeholder_mask(self, ids: list[int]) -> torch.Tensor:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         return torch.isin(tensor, torch.tensor(self._placeholders, dtype=torch.long, device=self.device))
+
+
+def talker_media(media: dict[str, Any] | None) -> dict[str, np.ndarray]:
+    """What the talker's M-RoPE needs of a request's media (the whole model passes it the same): each
+    audio's feature length and each image's patch grid."""
+    if media is None:
+        return {}
+    inputs: dict[str, torch.Tensor] = media["inputs"]
+    out: dict[str, np.ndarray] = {}
+    if "feature_attention_mask" in inputs:
+        out[AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=-1).to(torch.int64).numpy()
+    if "image_grid_thw" in inputs:
+        out[IMAGE_GRID] = inputs["image_grid_thw"].to(torch.int64).numpy()
+    return out
 
 
 class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
@@ -584,13 +650,10 @@ class _RowHook:
             embeds = embeds.masked_fill(self.engine.placeholder_mask(prompt_ids).unsqueeze(-1), 0.0)
             rows, dtype = rows_to_wire(hidden + embeds)
             special, _ = rows_to_wire(self.engine.special_rows(self.job.data["speaker_bos"]))
+            tensors = {"prompt_rows": rows, "prompt_ids": torch.tensor(prompt_ids).numpy(), "special_rows": special}
+            tensors.update(talker_media(self.job.data.get("media")))
             self.job.emit(
-                tensor_frame(
-                    PROMPT_KIND,
-                    {"prompt_rows": rows, "prompt_ids": torch.tensor(prompt_ids).numpy(), "special_rows": special},
-                    dtype=dtype,
-                    speaker_bos_token=self.job.data["speaker_bos"],
-                )
+                tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_bos_token=self.job.data["speaker_bos"])
             )
             return
         # A decode step's input is the token sampled last; its row is what talker step t needs.
