@@ -58,6 +58,10 @@ e2e: cluster-build ## End-to-end tests on the local control plane (reuses a runn
 e2e-serving: cluster-build ## Real requests through gateway and stage pods (own cluster, in a network namespace)
 	$(PY) -m omnimodel_testbed netns -- $(PY) -m pytest e2e/serving $(PYTEST_ARGS)
 
+.PHONY: bench-autoscaling
+bench-autoscaling: cluster-build ## Replay bench/traces/burst.json autoscaled vs fixed replicas; JSON to bench/results/ (BENCH_ARGS=...)
+	$(PY) -m omnimodel_testbed netns -- $(PY) e2e/bench_autoscaling.py $(BENCH_ARGS)
+
 .PHONY: e2e-demo
 e2e-demo: cluster-build ## Run `make demo`'s script end to end and check its WAV, PNG and that nothing is left behind
 	$(PY) -m pytest e2e/demo $(PYTEST_ARGS)

@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 
 from omnimodel_testbed.pytest_plugin import ClusterHandle
-from support import Kube, Operator
-
-REPO = Path(__file__).parents[1]
-CRD = REPO / "crds" / "omnimodel.io_omnimodels.yaml"
+from support import Kube, Operator, install_crd
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -23,12 +20,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def crd(cluster: ClusterHandle) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    wait = cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s", check=False
-    )
-    # kubectl's own words: this has failed at once now and then, and a bare exit status says nothing.
-    assert wait.returncode == 0, f"kubectl wait for the CRD exited {wait.returncode}: {wait.stderr.strip()}"
+    install_crd(cluster)
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,45 @@ from typing import Any
 import httpx
 import yaml
 
+from omnimodel_testbed.kubeapi import KubeAPI
+from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.pytest_plugin import ClusterHandle, kubectl_binary
 from omnimodel_testbed.volumes import claim_volume
 
 REPO = Path(__file__).parents[1]
+CRD = REPO / "crds" / "omnimodel.io_omnimodels.yaml"
+
+
+def install_crd(cluster: ClusterHandle) -> None:
+    """Apply the committed CRD and wait until the API server serves it."""
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    wait = cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s", check=False
+    )
+    # kubectl's own words: this has failed at once now and then, and a bare exit status says nothing.
+    assert wait.returncode == 0, f"kubectl wait for the CRD exited {wait.returncode}: {wait.stderr.strip()}"
+
+
+def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path) -> PodRunner:
+    """A pod runner that runs every pod of ``namespace`` for real, from this checkout's venv, on this
+    machine's CPU (not started yet)."""
+    return PodRunner(
+        api,
+        namespace,
+        workdir,
+        Path(sys.executable).parent,
+        # One model cache for all pods, as a shared PVC would be: the tiny model is built once.
+        shared_dirs={"model-cache": Path.home() / ".cache" / "omnimodel" / "models"},
+        extra_env={
+            # The fake nodes have no devices: every stage runs on this machine's CPU, whatever vendor the
+            # scheduler placed it on (as `make demo` does).
+            "OMNIMODEL_DEVICE": "cpu",
+            "CUDA_VISIBLE_DEVICES": "",
+            # Two cores for many processes: one torch thread each avoids thrashing.
+            "OMP_NUM_THREADS": "1",
+            "OMNIMODEL_HEALTH_INTERVAL": "0.5",
+        },
+    )
 
 
 def example(name: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ that network namespace the pod CIDR is local, so a process bound to a pod's IP i
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,7 @@ from omnimodel_testbed.dns import ClusterDNS, service_addresses
 from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.netns import CLUSTER_DNS, NETNS_POD_CIDR
 from omnimodel_testbed.pytest_plugin import ClusterHandle
-from support import Kube
+from support import Kube, cpu_pod_runner
 
 
 @pytest.fixture(scope="session")
@@ -38,25 +37,9 @@ def cluster_dns(cluster: ClusterHandle) -> Iterator[ClusterDNS]:
 
 @pytest.fixture
 def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: Path) -> Iterator[PodRunner]:
-    """Every pod of the test's namespace runs for real, from this checkout's venv."""
+    """Every pod of the test's namespace runs for real, from this checkout's venv, on the CPU."""
     assert cluster.state is not None
-    runner = PodRunner(
-        Cluster().api(cluster.state),
-        kube.ns,
-        tmp_path / "pods",
-        Path(sys.executable).parent,
-        # One model cache for all pods, as a shared PVC would be: the tiny model is built once.
-        shared_dirs={"model-cache": Path.home() / ".cache" / "omnimodel" / "models"},
-        extra_env={
-            # The fake nodes have no devices: every stage runs on this machine's CPU, whatever vendor the
-            # scheduler placed it on (as `make demo` does).
-            "OMNIMODEL_DEVICE": "cpu",
-            "CUDA_VISIBLE_DEVICES": "",
-            # Two cores for many processes: one torch thread each avoids thrashing.
-            "OMP_NUM_THREADS": "1",
-            "OMNIMODEL_HEALTH_INTERVAL": "0.5",
-        },
-    )
+    runner = cpu_pod_runner(Cluster().api(cluster.state), kube.ns, tmp_path / "pods")
     runner.start()
     try:
         yield runner
