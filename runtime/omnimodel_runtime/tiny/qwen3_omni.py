@@ -254,6 +254,14 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
             model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     finally:
         hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        # transformers 5.19's init leaves the talker's fused expert weights as allocated (torch.empty):
+        # whatever memory held, different on every build. Drawn here, seeded, at the talker's init scale.
+        gen = torch.Generator(device=device).manual_seed(seed + 4)
+        std = float(config.talker_config.text_config.initializer_range)
+        for layer in model.talker.model.layers:
+            for param in layer.mlp.experts.parameters():
+                param.normal_(0.0, std, generator=gen)
     head = model.thinker.lm_head.weight
     with torch.no_grad():
         # Wide logits keep greedy decoding from repeating one token (as in the text preset).

@@ -196,3 +196,12 @@ async def test_audio_input_is_refused_naming_the_part(serve: httpx.AsyncClient) 
     resp = await serve.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "messages[0].content[1]"
+
+
+async def test_the_tiny_model_is_byte_identical_per_seed(tmp_path: Path, tiny: Path) -> None:
+    from omnimodel_runtime.tiny import build_tiny
+
+    again = build_tiny(MODEL, tmp_path / "again", seed=0)
+    other = build_tiny(MODEL, tmp_path / "other", seed=1)
+    weights = "model.safetensors"
+    assert (again / weights).read_bytes() == (tiny / weights).read_bytes() != (other / weights).read_bytes()
