@@ -46,6 +46,12 @@ ADAPTERS: Final[Mapping[tuple[EngineName, str], AdapterRef]] = {
     (EngineName.TRANSFORMERS, "omni-code2wav"): AdapterRef(
         "omnimodel_runtime.engines.omni.code2wav", "OmniCode2WavEngine", "transformers"
     ),
+    **{
+        (EngineName.TRANSFORMERS, f"qwen3-omni-{part}"): AdapterRef(
+            "omnimodel_runtime.engines.omni.qwen3", f"Qwen3{cls}Engine", "transformers"
+        )
+        for part, cls in (("thinker", "Thinker"), ("talker", "Talker"), ("code2wav", "Code2Wav"))
+    },
     # One adapter, four roles: the whole pipeline in one stage, or one stage of encode -> denoise -> decode.
     **{
         (EngineName.DIFFUSERS, task): AdapterRef(

@@ -128,6 +128,49 @@ OMNI_FILES: Final[Mapping[str, StageFiles]] = {
     "code2wav": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("token2wav.",)),
 }
 
+# Qwen3-Omni: the same layout (thinker.*, talker.* — code predictor included — and code2wav.* tensors); its
+# voices are in config.json, so there is no speaker file.
+QWEN3_OMNI_FILES: Final[Mapping[str, StageFiles]] = {
+    "thinker": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("thinker.",)),
+    "talker": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("talker.",)),
+    "code2wav": StageFiles(patterns=_OMNI_SHARED, tensor_prefixes=("code2wav.",)),
+}
+
+
+def _omni_stages(family: str, files: Mapping[str, StageFiles]) -> tuple[Stage, ...]:
+    """The thinker -> talker -> code2wav graph of an omni family (tasks ``<family>-<stage>``)."""
+    return (
+        Stage(
+            name="thinker",
+            kind=StageKind.AR,
+            engine=EngineName.TRANSFORMERS,
+            task=f"{family}-thinker",
+            outputs=(Modality.TEXT,),
+            accelerator=_gpu(),
+            files=files["thinker"],
+        ),
+        Stage(
+            name="talker",
+            kind=StageKind.GENERATION,
+            engine=EngineName.TRANSFORMERS,
+            task=f"{family}-talker",
+            inputs=("thinker",),
+            accelerator=_gpu(),
+            files=files["talker"],
+        ),
+        Stage(
+            name="code2wav",
+            kind=StageKind.VOCODER,
+            engine=EngineName.TRANSFORMERS,
+            task=f"{family}-code2wav",
+            inputs=("talker",),
+            outputs=(Modality.AUDIO,),
+            accelerator=_gpu(),
+            files=files["code2wav"],
+        ),
+    )
+
+
 PRESETS: Final[Mapping[str, Preset]] = {
     p.name: p
     for p in (
@@ -151,38 +194,19 @@ PRESETS: Final[Mapping[str, Preset]] = {
         Preset(
             name="qwen2.5-omni",
             description="Qwen2.5-Omni: thinker (text) -> talker (codec codes) -> code2wav (24 kHz audio).",
-            stages=(
-                Stage(
-                    name="thinker",
-                    kind=StageKind.AR,
-                    engine=EngineName.TRANSFORMERS,
-                    task="omni-thinker",
-                    outputs=(Modality.TEXT,),
-                    accelerator=_gpu(),
-                    files=OMNI_FILES["thinker"],
-                ),
-                Stage(
-                    name="talker",
-                    kind=StageKind.GENERATION,
-                    engine=EngineName.TRANSFORMERS,
-                    task="omni-talker",
-                    inputs=("thinker",),
-                    accelerator=_gpu(),
-                    files=OMNI_FILES["talker"],
-                ),
-                Stage(
-                    name="code2wav",
-                    kind=StageKind.VOCODER,
-                    engine=EngineName.TRANSFORMERS,
-                    task="omni-code2wav",
-                    inputs=("talker",),
-                    outputs=(Modality.AUDIO,),
-                    accelerator=_gpu(),
-                    files=OMNI_FILES["code2wav"],
-                ),
-            ),
+            stages=_omni_stages("omni", OMNI_FILES),
             modalities=(Modality.TEXT, Modality.AUDIO),
             routes=(Route.CHAT, Route.SPEECH),
+        ),
+        Preset(
+            name="qwen3-omni",
+            description=(
+                "Qwen3-Omni: MoE thinker (text) -> talker with code predictor (multi-codebook codes) -> "
+                "code2wav (24 kHz audio)."
+            ),
+            stages=_omni_stages("qwen3-omni", QWEN3_OMNI_FILES),
+            modalities=(Modality.TEXT, Modality.AUDIO),
+            routes=(Route.CHAT,),
         ),
         Preset(
             name="text-to-image",

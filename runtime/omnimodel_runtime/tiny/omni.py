@@ -330,12 +330,12 @@ def preprocessor_config(mel_bins: int) -> dict[str, Any]:
     return merged
 
 
-def _tokenizer(seed: int) -> PreTrainedTokenizerFast:
-    """The text preset's tokenizer plus the placeholder, TTS and speaker tokens, named as the released
-    tokenizer names them (Qwen2_5OmniProcessor reads ``tokenizer.audio_token`` and its kin), with the
-    released chat template."""
+def _tokenizer(seed: int, extra: tuple[str, ...] = EXTRA_TOKENS) -> PreTrainedTokenizerFast:
+    """The text preset's tokenizer plus the placeholder, TTS and speaker tokens (``extra``), named as the
+    released tokenizer names them (Qwen2_5OmniProcessor reads ``tokenizer.audio_token`` and its kin), with
+    the released chat template."""
     trained = build_tokenizer(seed)
-    trained.add_special_tokens({"additional_special_tokens": list(EXTRA_TOKENS)})
+    trained.add_special_tokens({"additional_special_tokens": list(extra)})
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=trained.backend_tokenizer,
         eos_token=IM_END,

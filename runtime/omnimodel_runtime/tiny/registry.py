@@ -50,6 +50,7 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "qwen2.5-omni-vllm-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"
     ),
+    "qwen3-omni": TinyBuilder(module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers"),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
 }
 

@@ -7,12 +7,15 @@ A plain module (not conftest) so test files can import it by its unique name.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import wave
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -165,3 +168,24 @@ async def served_over_tcp(app: FastAPI) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+def wav_of(message: Mapping[str, Any]) -> bytes:
+    """The WAV file of a chat answer's ``message.audio`` (checked: 24 kHz, mono, 16-bit, not empty)."""
+    data = base64.b64decode(message["audio"]["data"])
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        assert w.getnframes() > 0
+    return data
+
+
+def stage_requests(metrics: str, stage: str) -> float:
+    """Finished requests of ``stage`` (any outcome) in a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "omnimodel_stage_requests_total" and s.labels.get("stage") == stage
+    )

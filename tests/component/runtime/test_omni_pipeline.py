@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
-import wave
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
-from runtime_procs import served_over_tcp
+from runtime_procs import served_over_tcp, stage_requests, wav_of
 
 from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.serving.audio import wav_bytes
@@ -87,26 +85,6 @@ class Whole:
         )
         reply = self.tokenizer.decode(sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
         return reply, wav_bytes(waveform.numpy(), 24000)
-
-
-def wav_of(message: Mapping[str, Any]) -> bytes:
-    data = base64.b64decode(message["audio"]["data"])
-    with wave.open(io.BytesIO(data)) as w:
-        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
-        assert w.getnframes() > 0
-    return data
-
-
-def stage_requests(metrics: str, stage: str) -> float:
-    """Finished requests of ``stage`` (any outcome) in a Prometheus exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(metrics)
-        for s in family.samples
-        if s.name == "omnimodel_stage_requests_total" and s.labels.get("stage") == stage
-    )
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ async def post(fake: FakeServe, messages: list[dict[str, Any]], **extra: Any) ->
 
 
 def test_every_preset_that_serves_chat_is_covered() -> None:
-    assert CHAT_PRESETS == ["qwen2.5-omni", "text", "text-to-image"]
+    assert CHAT_PRESETS == ["qwen2.5-omni", "qwen3-omni", "text", "text-to-image"]
 
 
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [

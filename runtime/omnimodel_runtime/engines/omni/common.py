@@ -164,9 +164,11 @@ def generation_overrides(model_dir: Path, part: str, engine_args: Mapping[str, A
 
 @dataclass(frozen=True)
 class Speakers:
-    """The voices of ``spk_dict.pt``: ``{name: {bos_token, cond, ref_mel}}``."""
+    """The voices of ``spk_dict.pt``: ``{name: {bos_token, cond, ref_mel}}`` (Qwen2.5-Omni), or of a config's
+    speaker map: ``{name: {codec_id}}`` (Qwen3-Omni); ``preferred`` is the whole model's default voice."""
 
     entries: Mapping[str, Mapping[str, Any]]
+    preferred: str = DEFAULT_VOICE
 
     @classmethod
     def load(cls, model_dir: Path) -> Speakers:
@@ -183,7 +185,7 @@ class Speakers:
     @property
     def default(self) -> str:
         """The whole model's default voice, else the first one."""
-        return DEFAULT_VOICE if DEFAULT_VOICE in self.entries else self.names[0]
+        return self.preferred if self.preferred in self.entries else self.names[0]
 
     def resolve(self, voice: str | None, *, param: str = "audio.voice") -> str:
         """The speaker-map key for ``voice`` (:func:`~omnimodel_runtime.protocol.speech.resolve_voice`)."""

@@ -155,6 +155,18 @@ class OmniThinkerEngine(OmniEngine):
             dtype=self.dtype,
             device=self.device,
         )
+        tc = config.thinker_config
+        self._placeholders = [tc.audio_token_index, tc.image_token_index, tc.video_token_index]
+        self._tts_ids = (config.talker_config.tts_text_end_token_id, config.talker_config.tts_text_pad_token_id)
+        if config.enable_audio_output:
+            self._speakers = Speakers.load(model_dir)
+        self._processor = load_processor(model_dir)
+        self.loaded(tc.get_text_config())
+
+    def loaded(self, text_config: Any) -> None:
+        """What every thinker family does once its model is loaded: tokenizers, generation defaults, the
+        context limit, the speech prompt frame, batched serving's slots."""
+        model_dir = self.context.model_dir
         with quiet_transformers():
             self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self._detok_tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -165,14 +177,7 @@ class OmniThinkerEngine(OmniEngine):
         self._defaults = GenerationDefaults(
             temperature=temperature, top_p=float(gen.top_p or 1.0), eos_token_ids=eos_ids
         )
-        text_config = config.thinker_config.get_text_config()
         self._max_model_len = int(self.args.get("max_model_len") or text_config.max_position_embeddings)
-        tc = config.thinker_config
-        self._placeholders = [tc.audio_token_index, tc.image_token_index, tc.video_token_index]
-        self._tts_ids = (config.talker_config.tts_text_end_token_id, config.talker_config.tts_text_pad_token_id)
-        if config.enable_audio_output:
-            self._speakers = Speakers.load(model_dir)
-        self._processor = load_processor(model_dir)
         self._vocab = int(text_config.vocab_size)
         self._speech_frame = self._render_speech_frame(
             str(self.args.get("speech_system_prompt", SPEECH_SYSTEM_PROMPT)),
@@ -313,7 +318,12 @@ class OmniThinkerEngine(OmniEngine):
             if self._speakers is None:
                 raise StageError("this checkpoint has no audio output (no talker)", status=400, param="modalities")
             voice = self._speakers.resolve(request.params.voice, param=voice_param(request))
-            job.data["speaker_bos"] = int(self._speakers[voice]["bos_token"])
+            job.data["speaker_bos"] = self.speaker_token(voice)
+
+    def speaker_token(self, voice: str) -> int:
+        """The id the talker starts ``voice``'s speech with (Qwen2.5-Omni: a thinker-vocabulary token)."""
+        assert self._speakers is not None
+        return int(self._speakers[voice]["bos_token"])
 
     def _generate(self, job: OmniJob, *, max_new_tokens: int | None = None) -> tuple[Any, _Stream, RngTurn | None]:
         """``generate()`` for ``job`` with its hooks (``max_new_tokens``: stop after that many tokens, for
@@ -328,7 +338,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.text_model.register_forward_hook(_RowHook(self, job, criterion), with_kwargs=True))
+            hooks.append(self.text_model.register_forward_hook(self.row_hook(job, criterion), with_kwargs=True))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
@@ -510,6 +520,10 @@ class OmniThinkerEngine(OmniEngine):
             self._slots.release(row, lambda r: int(r.length))
 
     # ------------------------------------------------------------ rows for the talker
+
+    def row_hook(self, job: OmniJob, stream: _Stream) -> Any:
+        """The forward hook on :attr:`text_model` that streams ``job``'s rows to the talker."""
+        return _RowHook(self, job, stream)
 
     @property
     def text_model(self) -> Any:

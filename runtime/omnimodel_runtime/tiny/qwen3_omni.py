@@ -1,0 +1,284 @@
+"""The tiny model of the ``qwen3-omni`` preset: a random-weight ``Qwen3OmniMoeForConditionalGeneration``.
+
+One full checkpoint laid out like the released one (``thinker.*``, ``talker.*`` — with its code predictor —
+and ``code2wav.*`` weights in ``model.safetensors``, tokenizer, chat template), so the stage engines load
+their part from it exactly as they would load Qwen3-Omni-30B-A3B. The voices are codec ids in the talker
+config (``talker_config.speaker_id``), as released: there is no speaker file.
+
+Sizes honour the architecture's constraints (checked by running the whole model's ``generate()``):
+
+- ``sum(mrope_section) == head_dim / 2`` for the thinker's and the talker's text models (interleaved M-RoPE);
+- the talker's ``generate()`` suppresses the last 1024 ids of its codec vocabulary except end-of-speech, so
+  the vocabulary is ``codes + 1024`` and every control id (pad, bos, eos, think ids, speakers) lies in that
+  suppressed tail — a vocabulary of 1024 or less leaves end-of-speech as the only id it can sample;
+- ``talker.num_code_groups == code2wav.num_quantizers`` and every code (first group from the talker, the
+  others from the code predictor) is below ``code2wav.codebook_size``;
+- the code predictor's hidden size equals the talker's (it continues from the talker's last hidden state);
+- ``talker.thinker_hidden_size`` equals the thinker's hidden size; ``accept_hidden_layer`` is at most the
+  thinker's layer count.
+
+The vocoder keeps the released geometry (upsampling 8·5·4·3 then 2·2: 1920 samples per code at 24 kHz,
+12.5 codes per second; sliding window 72). Random-weight traps handled: the thinker's output head is
+widened and its unprintable/special rows zeroed (readable random text, as in the other omni preset); the
+talker's end-of-speech row is zeroed so utterances run to the tiny cap of codes; the vocoder's output conv
+is scaled to an audible level.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+from transformers.utils import logging as hf_logging
+
+from omnimodel_runtime.layout import OMNI_GENERATION_FILE
+from omnimodel_runtime.tiny.omni import (
+    AUDIO_BOS,
+    AUDIO_EOS,
+    TARGET_RMS,
+    TTS_PAD,
+    TTS_TEXT_BOS,
+    TTS_TEXT_EOD,
+    VISION_BOS,
+    VISION_EOS,
+    _tokenizer,
+)
+from omnimodel_runtime.tiny.text import IM_END, IM_START, _silence_unprintable
+
+PRESET: Final = "qwen3-omni"
+# The released tokenizer's placeholder names (Qwen3-Omni renamed Qwen2.5-Omni's <|AUDIO|> and kin).
+AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>"
+EXTRA_TOKENS: Final = (
+    AUDIO_PAD,
+    IMAGE_PAD,
+    VIDEO_PAD,
+    AUDIO_BOS,
+    AUDIO_EOS,
+    VISION_BOS,
+    VISION_EOS,
+    TTS_PAD,
+    TTS_TEXT_BOS,
+    TTS_TEXT_EOD,
+)
+# The released voices (talker_config.speaker_id); the whole model's generate() defaults to Ethan.
+VOICES: Final = ("Ethan", "Chelsie", "Aiden")
+
+THINKER_HIDDEN: Final = 64
+CODES: Final = 64  # first-group codes 0..63; the controls follow in the suppressed tail
+SUPPRESSED_TAIL: Final = 1024  # the whole model's generate() suppresses the last 1024 codec ids
+CODE_GROUPS: Final = 4
+# The tiny talker rarely samples end-of-speech (see build): 24 codes = 1.92 s of audio.
+TINY_GENERATION: Final[dict[str, Any]] = {"talker": {"max_new_tokens": 24}}
+
+
+def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
+    h = THINKER_HIDDEN
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True}
+    text = {
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        # head_dim 32 -> M-RoPE sections sum to 16 (the released model interleaves them).
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [6, 5, 5],
+            "interleaved": True,
+        },
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.2,
+        "eos_token_id": ids[IM_END],
+        **moe,
+    }
+    placeholders = {
+        "audio_token_id": ids[AUDIO_PAD],
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "audio_start_token_id": ids[AUDIO_BOS],
+        # get_rope_index reads it from the thinker config too, which does not declare it.
+        "vision_start_token_id": ids[VISION_BOS],
+    }
+    thinker = {
+        "text_config": text,
+        "audio_config": {
+            "num_mel_bins": 16,
+            "encoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 32,
+            "d_model": 16,
+            "output_dim": h,
+            "max_source_positions": 100,
+            "n_window": 10,
+            "n_window_infer": 40,
+            "downsample_hidden_size": 8,
+        },
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": h,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        },
+        "user_token_id": ids["user"],
+        **placeholders,
+    }
+    c = CODES
+    codec = {
+        "codec_pad_id": c,
+        "codec_bos_id": c + 1,
+        "codec_eos_token_id": c + 2,
+        "codec_nothink_id": c + 3,
+        "codec_think_bos_id": c + 4,
+        "codec_think_eos_id": c + 5,
+    }
+    talker = {
+        "text_config": {
+            "vocab_size": c + SUPPRESSED_TAIL,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            # Read by the talker's MoE block but not declared by its config class (the released config.json
+            # carries it).
+            "shared_expert_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [3, 3, 2],
+                "interleaved": True,
+            },
+            "max_position_embeddings": 4096,
+            "initializer_range": 0.2,
+            **moe,
+            "norm_topk_prob": False,
+        },
+        "code_predictor_config": {
+            "vocab_size": c,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "max_position_embeddings": 64,
+            "initializer_range": 0.2,
+            "num_code_groups": CODE_GROUPS,
+        },
+        "num_code_groups": CODE_GROUPS,
+        "thinker_hidden_size": h,
+        "accept_hidden_layer": 2,
+        "speaker_id": {v.lower(): c + 6 + i for i, v in enumerate(VOICES)},
+        # Read by the talker but not declared by its config class (the released config.json carries it).
+        "spatial_merge_size": 2,
+        **codec,
+        **placeholders,
+    }
+    code2wav = {
+        "codebook_size": c,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_quantizers": CODE_GROUPS,
+        "decoder_dim": 64,
+    }
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        im_start_token_id=ids[IM_START],
+        im_end_token_id=ids[IM_END],
+        tts_pad_token_id=ids[TTS_PAD],
+        tts_bos_token_id=ids[TTS_TEXT_BOS],
+        tts_eos_token_id=ids[TTS_TEXT_EOD],
+        system_token_id=ids["system"],
+        user_token_id=ids["user"],
+        assistant_token_id=ids["assistant"],
+    )
+
+
+def _token_id(tokenizer: Any, text: str) -> int:
+    """The one id ``text`` encodes to (the roles must be single tokens: the whole model finds user and
+    assistant turns by the token after ``<|im_start|>``)."""
+    encoded = tokenizer.encode(text, add_special_tokens=False)
+    if len(encoded) != 1:
+        raise RuntimeError(f"the tiny tokenizer splits {text!r} into {encoded}; it must be one token")
+    return int(encoded[0])
+
+
+def _make_audible(model: Qwen3OmniMoeForConditionalGeneration, seed: int) -> None:
+    """Scale the vocoder's last convolution so a probe utterance has :data:`TARGET_RMS` (its output is
+    clamped to [-1, 1], so the level must stay well inside that)."""
+    code2wav = model.code2wav
+    gen = torch.Generator().manual_seed(seed + 2)
+    probe = torch.randint(0, CODES, (1, CODE_GROUPS, 24), generator=gen)
+    with torch.no_grad():
+        rms = float(code2wav(probe).float().pow(2).mean().sqrt())
+        if rms == 0.0:
+            raise RuntimeError("the tiny vocoder is silent")
+        last = code2wav.decoder[-1].conv
+        last.weight.mul_(TARGET_RMS / rms)
+        if last.bias is not None:
+            last.bias.mul_(TARGET_RMS / rms)
+
+
+def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> None:
+    """Write a random-weight Qwen3-Omni checkpoint (MoE thinker, talker with code predictor, code2wav)."""
+    if size != "tiny":
+        raise ValueError(f"unknown size {size!r} for preset {PRESET} (known: tiny)")
+    hf_logging.disable_progress_bar()
+    tokenizer = _tokenizer(seed, EXTRA_TOKENS)
+    ids = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in (*EXTRA_TOKENS, IM_START, IM_END)}
+    ids.update({role: _token_id(tokenizer, role) for role in ("system", "user", "assistant")})
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = _config(ids, len(tokenizer))
+        # Module initialisers draw from the global RNG: the same seed must give the same bytes.
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        # transformers 5.19's init leaves the talker's fused expert weights as allocated (torch.empty):
+        # whatever memory held, different on every build. Drawn here, seeded, at the talker's init scale.
+        gen = torch.Generator(device=device).manual_seed(seed + 4)
+        std = float(config.talker_config.text_config.initializer_range)
+        for layer in model.talker.model.layers:
+            for param in layer.mlp.experts.parameters():
+                param.normal_(0.0, std, generator=gen)
+    head = model.thinker.lm_head.weight
+    with torch.no_grad():
+        # Wide logits keep greedy decoding from repeating one token (as in the text preset).
+        head.normal_(0.0, 0.2, generator=torch.Generator(device=head.device).manual_seed(seed + 3))
+    _silence_unprintable(model.thinker, tokenizer)
+    with torch.no_grad():
+        # No placeholders, TTS controls or role markup in random text.
+        head[[ids[t] for t in EXTRA_TOKENS]] = 0.0
+        # A random stop head would end speech after a few codes: a zero row sits mid-ranking, where top-k
+        # sampling rarely reaches, so utterances run to the cap.
+        model.talker.codec_head.weight[config.talker_config.codec_eos_token_id] = 0.0
+    _make_audible(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / OMNI_GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
+    (out / "README.md").write_text(
+        f"Random-weight Qwen3OmniMoeForConditionalGeneration (tiny) built by `omnimodel make-tiny --preset "
+        f"{PRESET}` (seed {seed}); voices {', '.join(VOICES)}. Not a trained model: its text and audio are noise.\n"
+    )
+    (out / "omnimodel-build.json").write_text(json.dumps({"preset": PRESET, "seed": seed, "size": size}) + "\n")
