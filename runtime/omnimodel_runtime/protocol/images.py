@@ -40,6 +40,10 @@ MAX_PARTIAL_IMAGES: Final = 3
 # Seeds are torch generator seeds; image i of a request uses seed + i, which must stay in range.
 MAX_SEED: Final = 2**63 - 1 - MAX_IMAGES
 
+# Largest side of an input image to edit (a phone photo is 4032x3024); the pipeline resizes it to about
+# one megapixel, so more pixels only cost decoding time and memory.
+MAX_SOURCE_SIDE: Final = 8192
+
 # Name of the uint8 ``(n, height, width, 3)`` tensor an image pipeline's exit stage sends.
 IMAGES_TENSOR: Final = "images"
 
@@ -111,6 +115,17 @@ class TextToImageParams(BaseModel):
         if (self.width is None) != (self.height is None):
             raise PydanticCustomError("image_size", "width and height must be given together")
         return self
+
+
+class ImageEditParams(BaseModel):
+    """The input image of an edit as every stage of the pipeline receives it: its size, from which the
+    stages work out the size the pipeline encodes it at and the output's default size. Its bytes go to the
+    entry stage only, as the request tensor its ``StageRequest.media`` entry names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source_width: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
+    source_height: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
 
 
 # ---------------------------------------------------------------- POST /v1/images/generations

@@ -51,6 +51,7 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
         module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"
     ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
+    "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
 }
 
 
