@@ -184,6 +184,75 @@ class ImageGenerationRequest(_ImageFields):
         return _stage_params(self, *_dimensions(self.size))
 
 
+# ---------------------------------------------------------------- POST /v1/images/edits
+
+
+class ImageEditRequest(OpenAIBaseModel):
+    """The text fields of ``POST /v1/images/edits`` (a multipart form: every value arrives as text, so
+    numbers are parsed from it); the files (``image``, ``mask``) are checked by the service.
+
+    Extensions beside OpenAI's fields: ``negative_prompt``, ``num_inference_steps``, ``true_cfg_scale``,
+    ``guidance_scale``, ``seed`` (as for generations) and ``strength``. ``QwenImageEditPipeline`` always
+    denoises from pure noise beside the input image's latents (the image conditions every step; it is not
+    noised part way as in image-to-image), so ``strength`` is accepted only as 1.0, what it does; any
+    other value is a 400 naming it rather than a setting silently ignored.
+    """
+
+    prompt: str
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    size: str | None = None
+    response_format: Literal["b64_json"] | None = None
+    output_format: Literal["png"] | None = None
+    user: str | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+    seed: Seed | None = None
+    strength: Annotated[float, Field(ge=0, le=1)] | None = None
+    # Streaming edits (``image_edit.*`` events) are not served: a 400, not a silent non-stream answer.
+    stream: bool = False
+    quality: Literal["auto", "standard"] | None = None
+    background: Literal["auto"] | None = None
+    input_fidelity: None = None
+    output_compression: None = None
+
+    _prompt = field_validator("prompt")(_non_blank)
+    _size = field_validator("size")(_check_size)
+
+    @field_validator("strength")
+    @classmethod
+    def _full_strength(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "must be 1.0: this model's edit pipeline always denoises from pure noise beside the input "
+                "image (it has no partial-strength image-to-image mode)",
+            )
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", "streaming edits are not supported; send stream=false")
+        return value
+
+    def params(self) -> TextToImageParams:
+        width, height = _dimensions(self.size)
+        return TextToImageParams(
+            n=self.n,
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+        )
+
+
 class ImageObject(OpenAIBaseModel):
     b64_json: str | None = None
     url: str | None = None
