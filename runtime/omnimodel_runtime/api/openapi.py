@@ -10,11 +10,12 @@ test_fuzz_openapi.py) read this document, so every status and content type a rou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from omnimodel_runtime.protocol.openai import ErrorResponse
 
@@ -73,6 +74,22 @@ def probe(description: str, *statuses: int) -> Responses:
         "additionalProperties": True,
     }
     return {s: {"description": description, "content": {"application/json": {"schema": schema}}} for s in statuses}
+
+
+def form_schema(
+    model: type[BaseModel], *, files: Mapping[str, dict[str, Any]], required: Iterable[str]
+) -> dict[str, Any]:
+    """The ``multipart/form-data`` schema of a form whose text fields are ``model``'s and whose files are
+    ``files``: each field as the one type it takes (a form cannot send null; a field that accepts only
+    null is left out, since it can only be omitted), inline, with the files as binary strings."""
+    properties: dict[str, Any] = {}
+    for name, prop in model.model_json_schema()["properties"].items():
+        options = [o for o in prop.get("anyOf", [prop]) if o.get("type") != "null"]
+        if not options:
+            continue
+        rest = {k: v for k, v in prop.items() if k not in ("anyOf", "type", "default", "title")}
+        properties[name] = {**rest, **options[0]} if len(options) == 1 else {**rest, "anyOf": options}
+    return {"type": "object", "properties": {**properties, **files}, "required": list(required)}
 
 
 def install_openapi(app: FastAPI) -> None:

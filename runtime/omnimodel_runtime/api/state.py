@@ -51,7 +51,7 @@ class APIState:
             chat=chat,
             chat_audio=ChatAudioService(chat),
             completions=CompletionService(orchestrator, request_timeout=request_timeout),
-            images=ImageService(orchestrator, request_timeout=request_timeout),
+            images=ImageService(orchestrator, request_timeout=request_timeout, media=media),
             speech=SpeechService(orchestrator, request_timeout=request_timeout),
             api_key=api_key,
             chat_modalities=default_modalities(chat_modalities, orchestrator.pipeline),

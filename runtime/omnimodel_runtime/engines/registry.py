@@ -15,7 +15,7 @@ from typing import Final
 from omnimodel_runtime.engines.base import Engine, EngineContext, EngineMetrics, NullMetrics
 from omnimodel_runtime.errors import ExtraMissingError, RuntimeSetupError
 from omnimodel_runtime.models import resolve_model_dir
-from omnimodel_runtime.pipeline import EngineName, ModelSource, Stage
+from omnimodel_runtime.pipeline import ENGINE_TASKS, EngineName, ModelSource, Stage
 from omnimodel_runtime.settings import RuntimeSettings
 
 
@@ -52,12 +52,13 @@ ADAPTERS: Final[Mapping[tuple[EngineName, str], AdapterRef]] = {
         )
         for part, cls in (("thinker", "Thinker"), ("talker", "Talker"), ("code2wav", "Code2Wav"))
     },
-    # One adapter, four roles: the whole pipeline in one stage, or one stage of encode -> denoise -> decode.
+    # One adapter, four roles: the whole pipeline in one stage, or one stage of encode -> denoise -> decode
+    # (of text to image, or of an image edit).
     **{
         (EngineName.DIFFUSERS, task): AdapterRef(
             "omnimodel_runtime.engines.t2i.diffusers", "DiffusersImageEngine", "diffusers"
         )
-        for task in ("text-to-image", "t2i-encode", "t2i-denoise", "t2i-decode")
+        for task in ENGINE_TASKS[EngineName.DIFFUSERS]
     },
 }
 

@@ -116,6 +116,9 @@ def build_app(
     if Route.IMAGES in pipeline.routes:
         app.include_router(images.router)
         served.add(images.PATH)
+    if Route.IMAGE_EDITS in pipeline.routes:
+        app.include_router(images.edits_router)
+        served.add(images.EDITS_PATH)
     if Route.SPEECH in pipeline.routes:
         app.include_router(speech.router)
         served.add(speech.PATH)

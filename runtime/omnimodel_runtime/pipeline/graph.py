@@ -66,7 +66,16 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
         "tts-acoustic",
         "tts-vocoder",
     ),
-    EngineName.DIFFUSERS: ("text-to-image", "t2i-encode", "t2i-denoise", "t2i-decode"),
+    EngineName.DIFFUSERS: (
+        "text-to-image",
+        "t2i-encode",
+        "t2i-denoise",
+        "t2i-decode",
+        "image-edit",
+        "image-edit-encode",
+        "image-edit-denoise",
+        "image-edit-decode",
+    ),
 }
 
 
@@ -93,6 +102,8 @@ class Route(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     IMAGES = "images"
+    # /v1/images/edits: only pipelines whose entry stage edits an input image.
+    IMAGE_EDITS = "image-edits"
     SPEECH = "speech"
 
 
@@ -101,6 +112,7 @@ ROUTE_MODALITY: Final[Mapping[Route, Modality | None]] = {
     Route.CHAT: None,
     Route.COMPLETIONS: Modality.TEXT,
     Route.IMAGES: Modality.IMAGE,
+    Route.IMAGE_EDITS: Modality.IMAGE,
     Route.SPEECH: Modality.AUDIO,
 }
 

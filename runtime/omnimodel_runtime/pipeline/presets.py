@@ -111,6 +111,13 @@ T2I_FILES: Final[Mapping[str, StageFiles]] = {
     "decode": StageFiles(patterns=(*_T2I_SHARED, "vae/**")),
 }
 
+# Qwen-Image-Edit (diffusers QwenImageEditPipeline): encode also runs the processor that shows the text
+# encoder the input image, and the VAE that encodes it.
+EDIT_FILES: Final[Mapping[str, StageFiles]] = {
+    **T2I_FILES,
+    "encode": StageFiles(patterns=(*_T2I_SHARED, "text_encoder*/**", "tokenizer*/**", "processor/**", "vae/**")),
+}
+
 # Our TTS layout (omnimodel_runtime.layout): acoustic/ and vocoder/ hold each stage's model, voices/ and
 # speech.json the acoustic stage's voices and stopping rule. The acoustic stage also takes the top-level
 # files: a plain SpeechT5 snapshot, which keeps its model there, serves as the acoustic stage as it is.
@@ -242,6 +249,29 @@ PRESETS: Final[Mapping[str, Preset]] = {
             ),
             modalities=(Modality.IMAGE,),
             routes=(Route.IMAGES, Route.CHAT),
+        ),
+        Preset(
+            name="qwen-image-edit",
+            description="Image edits (Qwen-Image-Edit): encode (prompt + image) -> denoise (DiT) -> decode (VAE).",
+            stages=tuple(
+                Stage(
+                    name=name,
+                    kind=kind,
+                    engine=EngineName.DIFFUSERS,
+                    task=f"image-edit-{name}",
+                    inputs=inputs,
+                    outputs=(Modality.IMAGE,) if name == "decode" else (),
+                    accelerator=_gpu(),
+                    files=EDIT_FILES[name],
+                )
+                for name, kind, inputs in (
+                    ("encode", StageKind.ENCODER, ()),
+                    ("denoise", StageKind.DIFFUSION, ("encode",)),
+                    ("decode", StageKind.DECODER, ("denoise",)),
+                )
+            ),
+            modalities=(Modality.IMAGE,),
+            routes=(Route.IMAGE_EDITS,),
         ),
         Preset(
             name="tts",

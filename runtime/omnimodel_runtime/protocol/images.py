@@ -40,6 +40,10 @@ MAX_PARTIAL_IMAGES: Final = 3
 # Seeds are torch generator seeds; image i of a request uses seed + i, which must stay in range.
 MAX_SEED: Final = 2**63 - 1 - MAX_IMAGES
 
+# Largest side of an input image to edit (a phone photo is 4032x3024); the pipeline resizes it to about
+# one megapixel, so more pixels only cost decoding time and memory.
+MAX_SOURCE_SIDE: Final = 8192
+
 # Name of the uint8 ``(n, height, width, 3)`` tensor an image pipeline's exit stage sends.
 IMAGES_TENSOR: Final = "images"
 
@@ -113,6 +117,17 @@ class TextToImageParams(BaseModel):
         return self
 
 
+class ImageEditParams(BaseModel):
+    """The input image of an edit as every stage of the pipeline receives it: its size, from which the
+    stages work out the size the pipeline encodes it at and the output's default size. Its bytes go to the
+    entry stage only, as the request tensor its ``StageRequest.media`` entry names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source_width: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
+    source_height: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
+
+
 # ---------------------------------------------------------------- POST /v1/images/generations
 
 
@@ -167,6 +182,75 @@ class ImageGenerationRequest(_ImageFields):
 
     def params(self) -> TextToImageParams:
         return _stage_params(self, *_dimensions(self.size))
+
+
+# ---------------------------------------------------------------- POST /v1/images/edits
+
+
+class ImageEditRequest(OpenAIBaseModel):
+    """The text fields of ``POST /v1/images/edits`` (a multipart form: every value arrives as text, so
+    numbers are parsed from it); the files (``image``, ``mask``) are checked by the service.
+
+    Extensions beside OpenAI's fields: ``negative_prompt``, ``num_inference_steps``, ``true_cfg_scale``,
+    ``guidance_scale``, ``seed`` (as for generations) and ``strength``. ``QwenImageEditPipeline`` always
+    denoises from pure noise beside the input image's latents (the image conditions every step; it is not
+    noised part way as in image-to-image), so ``strength`` is accepted only as 1.0, what it does; any
+    other value is a 400 naming it rather than a setting silently ignored.
+    """
+
+    prompt: str
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    size: str | None = None
+    response_format: Literal["b64_json"] | None = None
+    output_format: Literal["png"] | None = None
+    user: str | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+    seed: Seed | None = None
+    strength: Annotated[float, Field(ge=0, le=1)] | None = None
+    # Streaming edits (``image_edit.*`` events) are not served: a 400, not a silent non-stream answer.
+    stream: bool = False
+    quality: Literal["auto", "standard"] | None = None
+    background: Literal["auto"] | None = None
+    input_fidelity: None = None
+    output_compression: None = None
+
+    _prompt = field_validator("prompt")(_non_blank)
+    _size = field_validator("size")(_check_size)
+
+    @field_validator("strength")
+    @classmethod
+    def _full_strength(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "must be 1.0: this model's edit pipeline always denoises from pure noise beside the input "
+                "image (it has no partial-strength image-to-image mode)",
+            )
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", "streaming edits are not supported; send stream=false")
+        return value
+
+    def params(self) -> TextToImageParams:
+        width, height = _dimensions(self.size)
+        return TextToImageParams(
+            n=self.n,
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+        )
 
 
 class ImageObject(OpenAIBaseModel):

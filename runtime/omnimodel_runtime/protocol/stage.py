@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality
-from omnimodel_runtime.protocol.images import TextToImageParams
+from omnimodel_runtime.protocol.images import ImageEditParams, TextToImageParams
 from omnimodel_runtime.protocol.openai import Seed, TokenId
 
 # Where a stage server takes requests (``POST``, frames in, frames out).
@@ -67,6 +67,8 @@ class StageParams(_Model):
     talker_max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     # Text to image (text-to-image, t2i-encode, t2i-denoise, t2i-decode): size, steps, guidance, seed.
     image: TextToImageParams = TextToImageParams()
+    # Image edits (image-edit and its split tasks): the input image's size; its bytes are ``media[0]``.
+    edit: ImageEditParams | None = None
 
 
 class MediaInput(_Model):

@@ -1,9 +1,12 @@
-"""Images out of a pipeline: ``/v1/images/generations`` and chat completions on an image pipeline.
+"""Images out of a pipeline: ``/v1/images/generations``, ``/v1/images/edits`` and chat completions on an
+image pipeline.
 
 OpenAI request → one stage request (the prompt, and the diffusion parameters in ``params.image``) → the chain
 of stages the image needs → ``(n, H, W, 3)`` uint8 pixels from the exit stage → PNG → base64 in the
 response (``data[i].b64_json``, or an ``image_url`` data URL in ``message.content`` for chat, as
-vLLM-Omni answers). PNG encoding runs on a worker thread (zlib releases the GIL): at 1024² it takes tens
+vLLM-Omni answers). An edit's input image is checked here from its header (PNG, JPEG or WebP; its size
+within bounds) and travels to the entry stage as its file's bytes (``StageRequest.media``), where the
+engine decodes it. PNG encoding runs on a worker thread (zlib releases the GIL): at 1024² it takes tens
 of milliseconds, which must not stall the gateway's event loop.
 """
 
@@ -14,21 +17,25 @@ import base64
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
+from pydantic import ValidationError
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Pipeline
 from omnimodel_runtime.protocol.images import (
     IMAGES_TENSOR,
+    MAX_SOURCE_SIDE,
     ImageChatChoice,
     ImageChatCompletionRequest,
     ImageChatCompletionResponse,
     ImageChatMessage,
     ImageContentPart,
+    ImageEditParams,
+    ImageEditRequest,
     ImageGenerationCompletedEvent,
     ImageGenerationRequest,
     ImageObject,
@@ -38,10 +45,12 @@ from omnimodel_runtime.protocol.images import (
     TextToImageParams,
 )
 from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
-from omnimodel_runtime.protocol.stage import FinalFrame, StageParams, StageRequest, TensorFrame
+from omnimodel_runtime.protocol.stage import FinalFrame, MediaInput, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
-from omnimodel_runtime.serving.media import check_text_only
+from omnimodel_runtime.serving.image_files import image_info
+from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, check_text_only
+from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.sse import DONE, sse
 
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
@@ -101,23 +110,47 @@ class Generated:
     prompt_tokens: int
 
 
-class ImageService(Service):
-    """``/v1/images/generations`` and image chat over the stage chain that outputs images."""
+# The form fields an edit's files come in: ``image`` (one file) or ``image[]`` (the openai client's name for
+# a list of them), and ``mask``.
+IMAGE_FIELDS: Final = ("image", "image[]")
+MASK_FIELD: Final = "mask"
+# The request tensor that carries an edit's input image file.
+EDIT_IMAGE_TENSOR: Final = "image"
 
-    def stage_request(self, prompt: str, params: TextToImageParams, request_id: str) -> StageRequest:
+
+class ImageService(Service):
+    """``/v1/images/generations``, ``/v1/images/edits`` and image chat over the stage chain that outputs
+    images."""
+
+    def __init__(self, orchestrator: Orchestrator, *, request_timeout: float, media: MediaPolicy = NO_FETCH) -> None:
+        super().__init__(orchestrator, request_timeout=request_timeout)
+        self.media = media
+
+    def stage_request(
+        self,
+        prompt: str,
+        params: TextToImageParams,
+        request_id: str,
+        *,
+        edit: ImageEditParams | None = None,
+        media: tuple[MediaInput, ...] = (),
+    ) -> StageRequest:
         return StageRequest(
             request_id=request_id,
             prompt=prompt,
             deadline=self.deadline(),
             stream=False,
-            params=StageParams(image=params),
+            media=media,
+            params=StageParams(image=params, edit=edit),
         )
 
-    async def generate(self, request: StageRequest, n: int) -> Generated:
+    async def generate(
+        self, request: StageRequest, n: int, tensors: Mapping[str, np.ndarray] | None = None
+    ) -> Generated:
         """Run the chain to the image exit stage and collect its ``n`` images."""
         images: list[np.ndarray] = []
         prompt_tokens = 0
-        frames = self.orchestrator.generate_chain(request, [Modality.IMAGE])
+        frames = self.orchestrator.generate_chain(request, [Modality.IMAGE], tensors=tensors)
         try:
             async for _, frame in frames:
                 if isinstance(frame, TensorFrame) and IMAGES_TENSOR in frame.tensors:
@@ -142,6 +175,55 @@ class ImageService(Service):
         if req.stream:
             return _completed_events(b64, f"{width}x{height}", generated.prompt_tokens)
         return ImagesResponse(data=[ImageObject(b64_json=b) for b in b64], size=f"{width}x{height}")
+
+    async def edit(self, fields: Mapping[str, str], files: Mapping[str, Sequence[bytes]]) -> ImagesResponse:
+        """``POST /v1/images/edits``: the form's text ``fields`` and its ``files`` (by field name) → PNGs.
+
+        One input image per request (``QwenImageEditPipeline`` takes one). ``mask`` is refused with a 400
+        naming it: the pipeline has no mask input, and masking its result afterwards (pasting the
+        unmasked pixels back) would be an invention of ours with visible seams, not the model's edit.
+        """
+        try:
+            req = ImageEditRequest.model_validate(dict(fields))
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        self.check_model(req.model)
+        if files.get(MASK_FIELD):
+            raise APIError(
+                f"mask is not supported: model {self.model_name!r} (QwenImageEditPipeline) edits the whole image "
+                "from the prompt and takes no mask; send the image alone",
+                param=MASK_FIELD,
+            )
+        images = [data for name in IMAGE_FIELDS for data in files.get(name, ())]
+        if not images:
+            raise APIError("image: an edit needs an input image (a PNG, JPEG or WebP file)", param="image")
+        if len(images) > 1:
+            raise APIError(f"image: this model edits one image per request (got {len(images)})", param="image")
+        data = images[0]
+        if len(data) > self.media.max_bytes:
+            raise APIError(f"image: the file is larger than {self.media.max_bytes} bytes", param="image")
+        info = image_info(data)
+        if info is None:
+            raise APIError("image: the file is not a PNG, JPEG or WebP image", param="image")
+        mime, width, height = info
+        if not (1 <= width <= MAX_SOURCE_SIDE and 1 <= height <= MAX_SOURCE_SIDE):
+            raise APIError(
+                f"image: the image is {width}x{height} pixels; each side must be between 1 and {MAX_SOURCE_SIDE}",
+                param="image",
+            )
+        edit = ImageEditParams(source_width=width, source_height=height)
+        media = (MediaInput(kind="image", tensor=EDIT_IMAGE_TENSOR, format=mime, param="image"),)
+        request = self.stage_request(req.prompt, req.params(), self.request_id(), edit=edit, media=media)
+        tensors = {EDIT_IMAGE_TENSOR: np.frombuffer(data, dtype=np.uint8)}
+        generated = await self.generate(request, req.n, tensors)
+        pngs = await asyncio.to_thread(_encode_all, generated.images)
+        out_height, out_width = generated.images[0].shape[:2]
+        return ImagesResponse(
+            data=[ImageObject(b64_json=base64.b64encode(png).decode("ascii")) for png in pngs],
+            size=f"{out_width}x{out_height}",
+        )
 
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
         """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""

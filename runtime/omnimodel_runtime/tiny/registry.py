@@ -52,6 +52,7 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     ),
     "qwen3-omni": TinyBuilder(module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers"),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
+    "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
 }
 
 

@@ -149,7 +149,7 @@ TEMPLATE: Final = (
 )
 
 
-def _corpus(seed: int, lines: int = 3000) -> list[str]:
+def _corpus(seed: int, template: str = TEMPLATE, lines: int = 3000) -> list[str]:
     """Prompts in the pipeline's template (so the template's words become single tokens) and plain text."""
     rng = random.Random(seed)  # noqa: S311  (reproducible filler text, not secrets)
     pool = _WORD_TEXT.split()
@@ -158,14 +158,22 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
         words = " ".join(rng.choice(pool) for _ in range(rng.randint(2, 14)))
         if rng.random() < 0.2:
             words += f" {rng.randint(0, 9999)}"
-        out.append(TEMPLATE.format(words) if i % 2 == 0 else words[0].upper() + words[1:] + ".")
+        out.append(template.format(words) if i % 2 == 0 else words[0].upper() + words[1:] + ".")
     return out
 
 
-def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (every byte encodable) with Qwen's special tokens; right padding as Qwen2's."""
+def build_tokenizer(
+    seed: int,
+    *,
+    template: str = TEMPLATE,
+    prefix_tokens: int = TEMPLATE_PREFIX_TOKENS,
+    pipeline: str = "QwenImagePipeline",
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (every byte encodable) with Qwen's special tokens; right padding as Qwen2's. The
+    part of ``template`` before its first placeholder (``{}`` or the image) must come out as exactly
+    ``prefix_tokens`` tokens: ``pipeline`` drops that many from the text encoder's output."""
     wrapped = byte_level_bpe(
-        _corpus(seed),
+        _corpus(seed, template),
         vocab_size=VOCAB_SIZE,
         special_tokens=tuple(SPECIAL_TOKENS),
         eos_token=IM_END,
@@ -173,12 +181,12 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
         model_max_length=32768,
         padding_side="right",
     )
-    prefix = TEMPLATE.split("{}", 1)[0]
+    prefix = template.split("{}", 1)[0].split("<|vision_start|>", 1)[0]
     count = len(wrapped(prefix).input_ids)
-    if count != TEMPLATE_PREFIX_TOKENS:
+    if count != prefix_tokens:
         raise RuntimeError(
-            f"the tokenizer splits the prompt template's prefix into {count} tokens; QwenImagePipeline "
-            f"drops exactly {TEMPLATE_PREFIX_TOKENS}"
+            f"the tokenizer splits the prompt template's prefix into {count} tokens; {pipeline} "
+            f"drops exactly {prefix_tokens}"
         )
     return wrapped
 
@@ -193,6 +201,25 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     hf_logging.disable_progress_bar()
     diffusers_logging.disable_progress_bar()
     tokenizer = build_tokenizer(seed)
+    text_encoder, transformer, vae = build_modules(arch, tokenizer, seed=seed, device=device)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    pipe = QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(out)
+    (out / "README.md").write_text(
+        f"Random-weight QwenImagePipeline ({size}) built by `omnimodel make-tiny --preset text-to-image` "
+        f"(seed {seed}). Not a trained model: its images are noise.\n"
+    )
+    (out / "omnimodel-build.json").write_text(
+        json.dumps({"preset": "text-to-image", "seed": seed, "size": size}) + "\n"
+    )
+
+
+def build_modules(
+    arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast, *, seed: int, device: str = "cpu"
+) -> tuple[Any, Any, Any]:
+    """The random-weight text encoder, transformer and VAE of one :data:`SIZES` entry."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(arch["text"])
     vocab_size = int(text.pop("vocab_size", len(tokenizer)))
@@ -234,15 +261,4 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
             for block in transformer.transformer_blocks:
                 block.attn.add_v_proj.weight.mul_(gain)
                 block.attn.add_k_proj.weight.mul_(gain**0.5)
-    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
-    pipe = QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
-    )
-    pipe.save_pretrained(out)
-    (out / "README.md").write_text(
-        f"Random-weight QwenImagePipeline ({size}) built by `omnimodel make-tiny --preset text-to-image` "
-        f"(seed {seed}). Not a trained model: its images are noise.\n"
-    )
-    (out / "omnimodel-build.json").write_text(
-        json.dumps({"preset": "text-to-image", "seed": seed, "size": size}) + "\n"
-    )
+    return text_encoder, transformer, vae

@@ -9,7 +9,7 @@ import pytest
 from omnimodel_runtime.serve import build_serve_app, serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 
-PRESETS = ["text", "tts", "text-to-image", "qwen2.5-omni", "qwen3-omni"]
+PRESETS = ["text", "tts", "text-to-image", "qwen2.5-omni", "qwen3-omni", "qwen-image-edit"]
 
 
 def _doc(preset: str) -> dict[str, Any]:

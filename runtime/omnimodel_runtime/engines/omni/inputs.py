@@ -25,7 +25,6 @@ from typing import Any, Final
 import numpy as np
 import soundfile
 import torch
-from PIL import Image, UnidentifiedImageError
 from transformers import (
     AutoTokenizer,
     Qwen2_5OmniProcessor,
@@ -34,6 +33,7 @@ from transformers import (
 )
 
 from omnimodel_runtime.engines.audio import resample
+from omnimodel_runtime.engines.images import decode_image
 from omnimodel_runtime.engines.omni.common import quiet_transformers
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import MediaInput, StageRequest
@@ -98,16 +98,6 @@ def decode_audio(data: np.ndarray, media: MediaInput, rate: int) -> np.ndarray:
     return resample(np.ascontiguousarray(mono, dtype=np.float32), int(source_rate), rate)
 
 
-def decode_image(data: np.ndarray, media: MediaInput) -> Any:
-    """An RGB ``PIL.Image`` from the bytes of an image file."""
-    try:
-        with Image.open(io.BytesIO(data.tobytes())) as img:
-            img.load()
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise StageError(f"{media.param}: cannot decode the image: {err}", status=400, param=media.param) from err
-
-
 def decode(request: StageRequest, tensors: Mapping[str, np.ndarray], rate: int) -> Decoded:
     """The request's media in message order, each checked against its placeholder in the messages."""
     placeholders = [
@@ -128,7 +118,7 @@ def decode(request: StageRequest, tensors: Mapping[str, np.ndarray], rate: int) 
         if media.kind == "audio":
             audio.append(decode_audio(data, media, rate))
         else:
-            images.append(decode_image(data, media))
+            images.append(decode_image(data, media.param))
     return Decoded(audio=audio, images=images)
 
 

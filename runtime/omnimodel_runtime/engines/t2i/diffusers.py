@@ -1,12 +1,15 @@
 """Text-to-image on ``diffusers``: the whole pipeline in one stage, or one of its encode / denoise / decode
 stages, with request batching in denoise.
 
-The task picks the role: ``text-to-image`` (whole), ``t2i-encode``, ``t2i-denoise``, ``t2i-decode``. Each
-role loads only its components (:mod:`~omnimodel_runtime.engines.t2i.families` says which and how
-the pipeline splits). What travels between stages:
+The task picks the role: ``text-to-image`` (whole), ``t2i-encode``, ``t2i-denoise``, ``t2i-decode``; for a
+pipeline that edits an input image, ``image-edit`` (whole), ``image-edit-encode``, ``image-edit-denoise``,
+``image-edit-decode`` (the image file comes with the request as ``media[0]``; encode sends its VAE latents
+beside the embeddings). Each role loads only its components (:mod:`~omnimodel_runtime.engines.t2i.families`
+says which and how the pipeline splits). What travels between stages:
 
 - encode → denoise: one ``TensorFrame`` with the prompt embeddings (and negative ones when classifier-
-  free guidance is on; masks only where the pipeline has them), one row per request;
+  free guidance is on; masks only where the pipeline has them; for an edit, the input image's VAE
+  ``image_latents``), one row per request;
 - denoise → decode: one ``TensorFrame`` with the packed latents of the request's ``n`` images;
 - decode (or whole) → client: one ``TensorFrame`` with ``images``, ``(n, H, W, 3)`` uint8.
 
@@ -63,15 +66,17 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.t2i.families import Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.images import decode_image
+from omnimodel_runtime.engines.t2i.families import IMAGE_LATENTS, Conditioning, Family, PipelineDefaults, family_for
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
-from omnimodel_runtime.engines.t2i.requests import ROLES, Announcements, Resolved, Role, resolve
+from omnimodel_runtime.engines.t2i.requests import EDIT_TASKS, ROLES, Announcements, Resolved, Role, resolve
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire, upstream_tensors
 from omnimodel_runtime.engines.worker import Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
+from omnimodel_runtime.protocol.images import IMAGES_TENSOR, ImageEditParams, TextToImageParams
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
+    MediaInput,
     ResponseFrame,
     StageInput,
     StageParams,
@@ -107,6 +112,9 @@ class _Job(Job):
     inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
     dtypes: Mapping[str, str] = field(default_factory=dict)
     announced: bool = False
+    # Edits, entry stage: the input image file's bytes and where the client put it (errors name it).
+    image: np.ndarray | None = None
+    image_param: str = "image"
     conditioning: Conditioning | None = None
     ready_at: float = 0.0
 
@@ -118,6 +126,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         super().__init__(context)
         args = dict(context.stage.engine_args)
         self.role = ROLES[context.stage.task]
+        self._edits = context.stage.task in EDIT_TASKS
         self._device = resolve_device(context.settings.device)
         dtype = torch_dtype(args.get("dtype"), self._device)
         # diffusers has no "auto" dtype; bf16 is what DiT checkpoints ship in and run best at.
@@ -153,14 +162,23 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         side = self.defaults.multiple
         # Two steps: with a terminal shift (Qwen-Image's scheduler) a one-step schedule divides by zero.
         image = TextToImageParams(width=side, height=side, num_inference_steps=2, seed=0)
+        edit = ImageEditParams(source_width=side, source_height=side) if self._edits else None
+        media: tuple[MediaInput, ...] = ()
+        given: dict[str, np.ndarray] = {}
+        if self._edits and self.role in (Role.WHOLE, Role.ENCODE):
+            media = (MediaInput(kind="image", tensor="image", format="image/png", param="image"),)
+            given = {"image": await asyncio.to_thread(_blank_png, side)}
         request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="Warm up.", params=StageParams(image=image)
+            request_id=f"warmup-{secrets.token_hex(4)}",
+            prompt="Warm up.",
+            media=media,
+            params=StageParams(image=image, edit=edit),
         )
         upstream: AsyncIterator[Any] | None = None
         if self.role in (Role.DENOISE, Role.DECODE):
             tensors = await asyncio.to_thread(self._dummy_inputs, side)
             upstream = _frames(TensorFrame(tensors=tensors[0], meta={"dtypes": tensors[1]}), FinalFrame("stop"))
-        async for _ in self.generate(StageInput(request=request, upstream=upstream)):
+        async for _ in self.generate(StageInput(request=request, tensors=given, upstream=upstream)):
             pass
 
     def queue_depth(self) -> int:
@@ -178,6 +196,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         if self.role in (Role.WHOLE, Role.ENCODE) and not (request.prompt or "").strip():
             raise StageError("prompt must not be empty", status=400, param="prompt")
         job = _Job(request=request, params=params)
+        if self._edits and self.role in (Role.WHOLE, Role.ENCODE):
+            job.image, job.image_param = _input_image(inp)
         batched = self.role in (Role.WHOLE, Role.DENOISE)
         if batched:
             self._announced.add(params.key)
@@ -212,11 +232,17 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         hf_logging.disable_progress_bar()
         model_dir = self.context.model_dir
         family, index = family_for(model_dir)
+        if family.edits != self._edits:
+            does = "edits an input image" if family.edits else "generates images from text"
+            raise ValueError(
+                f"{model_dir} holds a {family.pipeline_class}, which {does}: not a {self.stage.task} model"
+            )
         names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
         keep = family.components(names, str(self.role))
         skipped = {name: None for name in names if name not in keep}
         with _LOAD_LOCK:
-            pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=self._dtype, **skipped)
+            given = family.load_overrides(model_dir, keep)
+            pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=self._dtype, **skipped, **given)
             pipe.to(self._device)
         pipe.set_progress_bar_config(disable=True)
         family.configure(pipe, model_dir)
@@ -268,7 +294,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
     def _dummy_inputs(self, side: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         assert self._family is not None
         if self.role is Role.DENOISE:
-            return to_wire(self._family.dummy_conditioning(self._pipe).tensors)
+            condition = self.defaults.condition_size(side, side) if self.defaults.condition_size else None
+            return to_wire(self._family.dummy_conditioning(self._pipe, condition).tensors)
         return to_wire({LATENTS: self._family.dummy_latents(self._pipe, side, side)})
 
     def serve(self) -> None:
@@ -343,8 +370,18 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
     def _encode_conditioning(self, job: _Job) -> Conditioning:
         assert self._family is not None
         assert self._defaults is not None
+        image = None
+        if job.image is not None:
+            image = decode_image(job.image, job.image_param)
+            if image.size != job.params.source:
+                raise StageError(
+                    f"{job.image_param}: the image is {image.size[0]}x{image.size[1]} pixels, but the request "
+                    f"says {job.params.source}",
+                    status=400,
+                    param=job.image_param,
+                )
         return self._family.encode(
-            self._pipe, job.request.prompt or "", job.params.negative_prompt, self._defaults.max_sequence_length
+            self._pipe, job.request.prompt or "", job.params.negative_prompt, self._defaults.max_sequence_length, image
         )
 
     def _encode(self, job: _Job) -> None:
@@ -359,6 +396,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             raise StageError("the upstream stage sent no prompt_embeds", status=502)
         if job.params.cfg and "negative_prompt_embeds" not in tensors:
             raise StageError("guidance is on but the upstream stage sent no negative_prompt_embeds", status=502)
+        if self._edits and IMAGE_LATENTS not in tensors:
+            raise StageError(f"the upstream stage sent no {IMAGE_LATENTS} for the edit", status=502)
         return Conditioning(tensors=tensors, prompt_tokens=0)
 
     def _run_batch(self, batch: list[_Job]) -> None:
@@ -397,7 +436,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
     def _denoise(self, batch: list[_Job], params: Resolved) -> torch.Tensor:
         assert self._family is not None
         items = [(j.conditioning, j.params.n) for j in batch if j.conditioning is not None]
-        kwargs = self._family.batch(items, self._pipe._execution_device)
+        kwargs, inputs = self._family.denoise_inputs(self._pipe, items, params.source)
         # Per-image CPU generators: the same seed gives the same initial noise alone or in a batch, and
         # on any device (diffusers draws on the CPU and moves the noise).
         generators = [torch.Generator("cpu").manual_seed(s) for j in batch for s in j.params.seeds()]
@@ -413,7 +452,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             if self._cfg_batch and params.cfg
             else contextlib.nullcontext()
         )
-        with guidance:
+        with guidance, inputs:
             result = self._pipe(
                 **kwargs,
                 **self._family.guidance_kwargs(
@@ -446,6 +485,32 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self.emit(
             job, FinalFrame("stop", Usage(prompt_tokens=job.conditioning.prompt_tokens if job.conditioning else 0))
         )
+
+
+def _input_image(inp: StageInput) -> tuple[np.ndarray, str]:
+    """The bytes of an edit's one input image (``media[0]``) and its ``param``; a 400 when it is missing."""
+    media = inp.request.media
+    if len(media) != 1 or media[0].kind != "image":
+        raise StageError(
+            "an edit takes exactly one input image", status=400, param=media[0].param if media else "image"
+        )
+    data = inp.tensors.get(media[0].tensor)
+    if data is None:
+        raise StageError(
+            f"{media[0].param}: its bytes did not arrive with the request", status=400, param=media[0].param
+        )
+    return data, media[0].param
+
+
+def _blank_png(side: int) -> np.ndarray:
+    """A grey ``side`` x ``side`` PNG file (the warm-up's input image)."""
+    import io  # noqa: PLC0415
+
+    from PIL import Image  # noqa: PLC0415
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (128, 128, 128)).save(buffer, format="PNG")
+    return np.frombuffer(buffer.getvalue(), dtype=np.uint8)
 
 
 async def _frames(*frames: ResponseFrame) -> AsyncIterator[ResponseFrame]:

@@ -14,7 +14,9 @@ whole or split:
 What differs between families is the names of the embedding tensors, which of them are variable-length
 (and so need padding and a mask to batch requests of different prompt lengths), and how latents are
 unpacked and de-normalised; a :class:`Family` says exactly that. Covered here: ``QwenImagePipeline``
-(Qwen-Image and its fine-tunes) and ``FluxPipeline`` (FLUX.1 dev/schnell and fine-tunes).
+(Qwen-Image and its fine-tunes), ``QwenImageEditPipeline`` (Qwen-Image-Edit: its encode stage also
+encodes the input image, :class:`QwenImageEditFamily`) and ``FluxPipeline`` (FLUX.1 dev/schnell and
+fine-tunes).
 
 Facts the split must respect (see docs/reference/PIPELINE-NOTES.md): latents come back *packed* ``(B, tokens, C)``, so
 decode needs the image size; a pipeline loaded without its VAE assumes ``vae_scale_factor = 8``, so the
@@ -25,9 +27,12 @@ denoise stage uses the seed.
 from __future__ import annotations
 
 import abc
+import contextlib
+import dataclasses
 import inspect
 import json
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
@@ -59,6 +64,8 @@ class PipelineDefaults:
     # stretches ``1 - sigma`` to end at ``shift_terminal``, dividing by zero for one step (the image is
     # all NaN, then black); without one a single step is valid (FLUX schnell).
     min_steps: int = 1
+    # Edit pipelines: the size (width, height) the pipeline encodes an input image of a given size at.
+    condition_size: Callable[[int, int], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,19 +85,27 @@ class Family(abc.ABC):
     masked: ClassVar[Mapping[str, str]] = {}
     # Whether :meth:`merge_guidance` can run both guidance branches as one transformer call.
     batches_guidance: ClassVar[bool] = False
+    # Whether the pipeline edits an input image (its encode stage then also encodes the image).
+    edits: ClassVar[bool] = False
+    # Prefixes of the components the encode stage loads.
+    encode_components: ClassVar[tuple[str, ...]] = ENCODE_COMPONENTS
 
     # ------------------------------------------------------------ loading
 
     def components(self, names: Sequence[str], role: str) -> set[str]:
         """Which of the pipeline's components a stage of ``role`` loads (the rest load as ``None``)."""
         prefixes = {
-            "encode": ENCODE_COMPONENTS,
+            "encode": self.encode_components,
             "denoise": DENOISE_COMPONENTS,
             "decode": DECODE_COMPONENTS,
         }.get(role)
         if prefixes is None:  # the whole pipeline in one stage
             return set(names)
         return {n for n in names if n.startswith(prefixes)}
+
+    def load_overrides(self, model_dir: Path, keep: set[str]) -> dict[str, Any]:
+        """Components to hand ``from_pretrained`` ready-made instead of letting it load them."""
+        return {}
 
     @abc.abstractmethod
     def vae_scale_factor(self, vae_config: Mapping[str, Any]) -> int:
@@ -135,8 +150,18 @@ class Family(abc.ABC):
     # ------------------------------------------------------------ the three stages
 
     @abc.abstractmethod
-    def encode(self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int) -> Conditioning:
-        """Embed one prompt (and the negative one when guidance is on), one row each."""
+    def encode(
+        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
+    ) -> Conditioning:
+        """Embed one prompt (and the negative one when guidance is on), one row each; an edit pipeline
+        also encodes its input ``image`` (an RGB ``PIL.Image``)."""
+
+    def denoise_inputs(
+        self, pipe: Any, items: Sequence[tuple[Conditioning, int]], source: tuple[int, int] | None
+    ) -> tuple[dict[str, Any], contextlib.AbstractContextManager[Any]]:
+        """The conditioning arguments of one ``pipe(...)`` call for several requests (:meth:`batch`) and
+        a context to make that call in."""
+        return self.batch(items, pipe._execution_device), contextlib.nullcontext()
 
     def batch(self, items: Sequence[tuple[Conditioning, int]], device: Any) -> dict[str, torch.Tensor]:
         """The embedding arguments of one ``pipe(...)`` call for several requests: each request's rows
@@ -180,8 +205,9 @@ class Family(abc.ABC):
     # ------------------------------------------------------------ warm-up inputs
 
     @abc.abstractmethod
-    def dummy_conditioning(self, pipe: Any) -> Conditioning:
-        """Zero embeddings of the right shapes (warms up a denoise stage without a text encoder)."""
+    def dummy_conditioning(self, pipe: Any, condition: tuple[int, int] | None = None) -> Conditioning:
+        """Zero embeddings of the right shapes (warms up a denoise stage without a text encoder); for an
+        edit, zero image latents of an input image encoded at ``condition`` pixels."""
 
     def dummy_latents(self, pipe: Any, height: int, width: int) -> torch.Tensor:
         """Zero packed latents for one image (warms up a decode stage without a transformer)."""
@@ -233,7 +259,9 @@ class QwenImageFamily(Family):
     def vae_scale_factor(self, vae_config: Mapping[str, Any]) -> int:
         return int(2 ** len(vae_config["temperal_downsample"]))
 
-    def encode(self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int) -> Conditioning:
+    def encode(
+        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
+    ) -> Conditioning:
         kwargs = {
             "device": pipe._execution_device,
             "num_images_per_prompt": 1,
@@ -301,7 +329,7 @@ class QwenImageFamily(Family):
         merged["img_shapes"] = img_shapes + img_shapes
         return merged
 
-    def dummy_conditioning(self, pipe: Any) -> Conditioning:
+    def dummy_conditioning(self, pipe: Any, condition: tuple[int, int] | None = None) -> Conditioning:
         transformer = pipe.transformer
         embeds = torch.zeros(
             (1, 4, transformer.config.joint_attention_dim), dtype=transformer.dtype, device=transformer.device
@@ -310,6 +338,139 @@ class QwenImageFamily(Family):
 
     def latent_channels(self, pipe: Any) -> int:
         return int(pipe.vae.config.z_dim)
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    """``QwenImageEditPipeline`` (Qwen-Image-Edit): Qwen-Image's transformer and VAE, and a Qwen2.5-VL text
+    encoder that also sees the input image through its processor (the image's tokens stay in the prompt
+    embeddings, after a 64-token template prefix). The input image is resized to about one megapixel at
+    its aspect ratio (``calculate_dimensions``), VAE-encoded (the distribution's mode, so no seed), and its
+    packed latents are appended to the noise along the sequence in every transformer call.
+
+    The split: encode runs the processor, the text encoder and the VAE's encoder (what ``__call__`` does
+    before it draws noise); denoise calls the pipeline with the embeddings and, as ``image``, a blank
+    picture of the input's size (``__call__`` reads only its size, to work out the condition's), with
+    ``_encode_vae_image`` answered by the latents encode sent; decode is Qwen-Image's. diffusers 0.42's
+    ``__call__`` cannot take the latents as ``image`` itself: it reads ``image.size`` as a PIL size and
+    then a prompt image that only a PIL input defines.
+    """
+
+    pipeline_class = "QwenImageEditPipeline"
+    # merge_guidance would apply (the same transformer call), but is not checked against this pipeline.
+    batches_guidance: ClassVar[bool] = False
+    edits: ClassVar[bool] = True
+    encode_components: ClassVar[tuple[str, ...]] = (*ENCODE_COMPONENTS, "processor", "vae")
+    # ``calculate_dimensions``' target area in ``QwenImageEditPipeline.__call__``.
+    CONDITION_AREA: ClassVar[int] = 1024 * 1024
+
+    def load_overrides(self, model_dir: Path, keep: set[str]) -> dict[str, Any]:
+        return {"processor": load_qwen_vl_processor(model_dir / "processor")} if "processor" in keep else {}
+
+    def configure(self, pipe: Any, model_dir: Path) -> None:
+        super().configure(pipe, model_dir)
+        if getattr(pipe, "vae", None) is None:
+            # Without its VAE the pipeline assumes 16 latent channels (Qwen-Image's z_dim).
+            pipe.latent_channels = int(read_config(model_dir / "vae" / "config.json")["z_dim"])
+
+    def defaults(self, pipe_class: type[Any], model_dir: Path) -> PipelineDefaults:
+        return dataclasses.replace(super().defaults(pipe_class, model_dir), condition_size=self.condition_size)
+
+    def condition_size(self, width: int, height: int) -> tuple[int, int]:
+        """The size the pipeline encodes an input image of ``width`` x ``height`` at."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions  # noqa: PLC0415
+
+        w, h, _ = calculate_dimensions(self.CONDITION_AREA, width / height)
+        return int(w), int(h)
+
+    def encode(
+        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
+    ) -> Conditioning:
+        if image is None:
+            raise ValueError("QwenImageEditPipeline encodes a prompt with its input image")
+        width, height = self.condition_size(*image.size)
+        # As __call__ does: the resized picture goes to the text encoder's processor, its preprocessed
+        # pixels to the VAE, both at the condition's size.
+        prompt_image = pipe.image_processor.resize(image, height, width)
+        pixels = pipe.image_processor.preprocess(prompt_image, height, width).unsqueeze(2)
+        device = pipe._execution_device
+        kwargs = {"device": device, "num_images_per_prompt": 1, "max_sequence_length": max_sequence_length}
+        tensors: dict[str, torch.Tensor] = {}
+        embeds, mask = pipe.encode_prompt(prompt=prompt, image=prompt_image, **kwargs)
+        tensors["prompt_embeds"] = embeds
+        if mask is not None:
+            tensors["prompt_embeds_mask"] = mask
+        if negative_prompt is not None:
+            neg, neg_mask = pipe.encode_prompt(prompt=negative_prompt, image=prompt_image, **kwargs)
+            tensors["negative_prompt_embeds"] = neg
+            if neg_mask is not None:
+                tensors["negative_prompt_embeds_mask"] = neg_mask
+        tensors[IMAGE_LATENTS] = pipe._encode_vae_image(pixels.to(device=device, dtype=embeds.dtype), generator=None)
+        return Conditioning(tensors=tensors, prompt_tokens=int(embeds.shape[1]))
+
+    def denoise_inputs(
+        self, pipe: Any, items: Sequence[tuple[Conditioning, int]], source: tuple[int, int] | None
+    ) -> tuple[dict[str, Any], contextlib.AbstractContextManager[Any]]:
+        if source is None:
+            raise ValueError("an edit needs the input image's size")
+        from PIL import Image  # noqa: PLC0415
+
+        device = pipe._execution_device
+        latents = torch.cat([c.tensors[IMAGE_LATENTS].to(device).repeat_interleave(n, dim=0) for c, n in items])
+        embeddings = [
+            (Conditioning({k: v for k, v in c.tensors.items() if k != IMAGE_LATENTS}, c.prompt_tokens), n)
+            for c, n in items
+        ]
+        kwargs: dict[str, Any] = {**self.batch(embeddings, device), "image": Image.new("RGB", source)}
+        return kwargs, _encoded_image(pipe, latents)
+
+    def dummy_conditioning(self, pipe: Any, condition: tuple[int, int] | None = None) -> Conditioning:
+        width, height = condition or self.condition_size(1, 1)
+        base = super().dummy_conditioning(pipe)
+        factor, ref = pipe.vae_scale_factor, base.tensors["prompt_embeds"]
+        shape = (1, int(pipe.latent_channels), 1, height // factor, width // factor)
+        latents = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        return Conditioning(tensors={**base.tensors, IMAGE_LATENTS: latents}, prompt_tokens=base.prompt_tokens)
+
+
+# The normalised VAE latents of an edit's input image, ``(1, z_dim, 1, h, w)``, from encode to denoise.
+IMAGE_LATENTS: Final = "image_latents"
+
+
+@contextlib.contextmanager
+def _encoded_image(pipe: Any, latents: torch.Tensor) -> Iterator[None]:
+    """Answer the pipeline's ``_encode_vae_image`` with ``latents`` for one call (an instance attribute
+    shadows the method; removed afterwards)."""
+
+    def encoded(module: Any, image: Any, generator: Any = None) -> torch.Tensor:
+        return latents
+
+    pipe._encode_vae_image = types.MethodType(encoded, pipe)
+    try:
+        yield
+    finally:
+        pipe.__dict__.pop("_encode_vae_image", None)
+
+
+def load_qwen_vl_processor(path: Path) -> Any:
+    """The checkpoint's ``Qwen2VLProcessor``. transformers builds its video processor only with
+    torchvision; without it the processor is built from its tokenizer and image processor (the same
+    classes and code paths for text and images) and cannot take videos, which an edit never sends."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor  # noqa: PLC0415
+
+    try:
+        return Qwen2VLProcessor.from_pretrained(path)
+    except ImportError:
+        pass
+
+    class NoVideo(Qwen2VLProcessor):  # type: ignore[misc]  # transformers is untyped here
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    image = Qwen2VLImageProcessor.from_pretrained(path)
+    geometry = types.SimpleNamespace(merge_size=image.merge_size, temporal_patch_size=image.temporal_patch_size)
+    return NoVideo(image_processor=image, tokenizer=AutoTokenizer.from_pretrained(path), video_processor=geometry)
 
 
 class FluxFamily(Family):
@@ -321,7 +482,9 @@ class FluxFamily(Family):
     def vae_scale_factor(self, vae_config: Mapping[str, Any]) -> int:
         return int(2 ** (len(vae_config["block_out_channels"]) - 1))
 
-    def encode(self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int) -> Conditioning:
+    def encode(
+        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
+    ) -> Conditioning:
         kwargs = {
             "device": pipe._execution_device,
             "num_images_per_prompt": 1,
@@ -341,7 +504,7 @@ class FluxFamily(Family):
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return _to_uint8(pipe, image)
 
-    def dummy_conditioning(self, pipe: Any) -> Conditioning:
+    def dummy_conditioning(self, pipe: Any, condition: tuple[int, int] | None = None) -> Conditioning:
         config, ref = pipe.transformer.config, pipe.transformer
         embeds = torch.zeros((1, 4, config.joint_attention_dim), dtype=ref.dtype, device=ref.device)
         pooled = torch.zeros((1, config.pooled_projection_dim), dtype=ref.dtype, device=ref.device)
@@ -351,7 +514,9 @@ class FluxFamily(Family):
         return int(pipe.vae.config.latent_channels)
 
 
-FAMILIES: Final[Mapping[str, Family]] = {f.pipeline_class: f for f in (QwenImageFamily(), FluxFamily())}
+FAMILIES: Final[Mapping[str, Family]] = {
+    f.pipeline_class: f for f in (QwenImageFamily(), QwenImageEditFamily(), FluxFamily())
+}
 
 
 def _scheduler_config(model_dir: Path) -> dict[str, Any]:

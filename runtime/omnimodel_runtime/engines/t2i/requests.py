@@ -28,7 +28,13 @@ ROLES: Final[Mapping[str, Role]] = {
     "t2i-encode": Role.ENCODE,
     "t2i-denoise": Role.DENOISE,
     "t2i-decode": Role.DECODE,
+    "image-edit": Role.WHOLE,
+    "image-edit-encode": Role.ENCODE,
+    "image-edit-denoise": Role.DENOISE,
+    "image-edit-decode": Role.DECODE,
 }
+# The tasks whose pipeline edits an input image (the others generate from text alone).
+EDIT_TASKS: Final = frozenset(task for task in ROLES if task.startswith("image-edit"))
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,15 @@ class Resolved:
     guidance_scale: float | None
     negative_prompt: str | None
     seed: int | None
+    # Edits: the input image's size and the size the pipeline encodes it at (None for text to image).
+    source: tuple[int, int] | None = None
+    condition: tuple[int, int] | None = None
 
     @property
     def key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one denoise call."""
         return (
+            self.condition,
             self.width,
             self.height,
             self.steps,
@@ -67,8 +77,19 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
     rule); a bad value is a 400 naming the field. The parameters' own bounds were checked when the
     request was built (or decoded from the wire)."""
     params = request.params.image
-    width = params.width if params.width is not None else defaults.width
-    height = params.height if params.height is not None else defaults.height
+    default_width, default_height = defaults.width, defaults.height
+    edit, source, condition = request.params.edit, None, None
+    if defaults.condition_size is not None:
+        if edit is None:
+            raise StageError("this model edits an image: the request needs one (image)", status=400, param="image")
+        source = (edit.source_width, edit.source_height)
+        condition = defaults.condition_size(*source)
+        # The pipeline's own default: the condition's size, down to the size rule.
+        default_width, default_height = (side // defaults.multiple * defaults.multiple for side in condition)
+    elif edit is not None:
+        raise StageError("this model generates images from text; it takes no input image", status=400, param="image")
+    width = params.width if params.width is not None else default_width
+    height = params.height if params.height is not None else default_height
     if width % defaults.multiple or height % defaults.multiple:
         raise StageError(
             f"size must be a multiple of {defaults.multiple} pixels in each dimension for this model "
@@ -99,6 +120,8 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
         guidance_scale=guidance,
         negative_prompt=params.negative_prompt if cfg else None,
         seed=params.seed,
+        source=source,
+        condition=condition,
     )
 
 
