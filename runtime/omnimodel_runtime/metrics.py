@@ -10,11 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame
@@ -232,23 +234,60 @@ class StageTraffic:
             registry=registry,
         )
 
+        # In flight integrated over time, per stage: [seconds so far, in flight now, since when]. Its
+        # rate is the mean concurrency between two scrapes (Little's law), which the autoscaler uses
+        # instead of the gauge's value at the instant of a scrape (noisy under short requests).
+        self._busy: dict[str, list[float]] = {}
+        registry.register(_BusySeconds(self._busy_now))
+
     def known(self, stage: str) -> None:
         """Expose the stage's series at 0 before its first request."""
         self._in_flight.labels(stage)
         self._waiting.labels(stage)
         self._seconds.labels(stage)
+        self._busy.setdefault(stage, [0.0, 0.0, time.monotonic()])
+
+    def _advance(self, stage: str, delta: int) -> None:
+        now = time.monotonic()
+        busy = self._busy.setdefault(stage, [0.0, 0.0, now])
+        busy[0] += busy[1] * (now - busy[2])
+        busy[1] += delta
+        busy[2] = now
+
+    def _busy_now(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {stage: b[0] + b[1] * (now - b[2]) for stage, b in self._busy.items()}
 
     def sent(self, stage: str) -> None:
         self._in_flight.labels(stage).inc()
+        self._advance(stage, 1)
 
     def finished(self, stage: str, seconds: float | None) -> None:
         """``seconds`` is None for a request that failed or was cancelled (it times nothing useful)."""
         self._in_flight.labels(stage).dec()
+        self._advance(stage, -1)
         if seconds is not None:
             self._seconds.labels(stage).observe(seconds)
 
     def waiting(self, stage: str, count: int) -> None:
         self._waiting.labels(stage).set(count)
+
+
+class _BusySeconds(Collector):
+    """``omnimodel_gateway_stage_busy_seconds_total{stage}``, computed up to the moment of the scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "omnimodel_gateway_stage_busy_seconds",
+            "Requests in flight on the stage integrated over time (its rate is the mean concurrency)",
+            labels=["stage"],
+        )
+        for stage, seconds in sorted(self._read().items()):
+            family.add_metric([stage], seconds)
+        yield family
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -390,11 +390,11 @@ class Autoscaling(KubeModel):
     )
     metric: Literal["inFlight", "queueDepth", "pendingSeconds", "cpu"] | None = Field(
         default=None,
-        description="What one replica should carry at most (target). inFlight: requests the gateway has "
-        "in flight on the stage; queueDepth: requests queued at the stage (vLLM-Omni: its "
-        "stage_waiting_requests); pendingSeconds: in-flight requests x the stage's mean request time "
-        "(seconds of work waiting); cpu: utilisation percent (provider hpa). Default: pendingSeconds for "
-        "diffusion stages, queueDepth for vLLM-Omni stages, inFlight otherwise.",
+        description="What one replica should carry at most (target). inFlight: requests the gateways have "
+        "in flight on the stage, on average since the last decision; queueDepth: requests queued at the "
+        "stage (vLLM-Omni: its stage_waiting_requests); pendingSeconds: that average in flight x the stage's "
+        "mean request time (seconds of work waiting); cpu: utilisation percent (provider hpa). Default: "
+        "pendingSeconds for diffusion stages, queueDepth for vLLM-Omni stages, inFlight otherwise.",
     )
     target: float | None = Field(
         default=None,

@@ -104,6 +104,9 @@ class Autoscaler:
         self.clock = clock
         self.http = http or httpx.AsyncClient(timeout=settings.autoscale_scrape_timeout)
         self._histories: dict[tuple[Key, str], StageHistory] = {}
+        # Per autoscaled stage: the gateways' busy seconds (in flight integrated over time) at the last
+        # decision, and when it was read.
+        self._busy: dict[tuple[Key, str], tuple[float, float]] = {}
         self._status: dict[Key, dict[str, AutoscalerStatus]] = {}
 
     def status_of(self, key: Key) -> Mapping[str, AutoscalerStatus]:
@@ -157,6 +160,11 @@ class Autoscaler:
         histories = {
             s.stage: self._histories.setdefault((key, s.stage), StageHistory(last_load_at=now)) for s in stages
         }
+        for s in stages:
+            if s.metric in ("inFlight", "pendingSeconds"):
+                mean = self._mean_in_flight((key, s.stage), readings, now)
+                if mean is not None:
+                    readings.in_flight[s.stage] = mean
         signals = {s.stage: signal_of(s, readings) for s in stages}
         decisions = decide([(s.stage, s.spec, s.target) for s in stages], signals, current, histories, now)
         if readings.errors:
@@ -192,6 +200,20 @@ class Autoscaler:
         if changed:
             self.on_decision(key)
         return decisions
+
+    def _mean_in_flight(self, stage: tuple[Key, str], readings: Readings, now: float) -> float | None:
+        """Requests in flight on the stage on average since the last decision (the rate of the gateways'
+        busy seconds), or None to use the gauge's value at this instant: on the first reading, after a
+        gateway restarted (the sum went down) or when a gateway did not answer (the sum is partial)."""
+        busy = readings.busy_seconds.get(stage[1])
+        if busy is None:
+            self._busy.pop(stage, None)
+            return None
+        previous = self._busy.get(stage)
+        self._busy[stage] = (busy, now)
+        if previous is None or readings.errors or busy < previous[0] or now <= previous[1]:
+            return None
+        return (busy - previous[0]) / (now - previous[1])
 
     async def _event(self, body: Mapping[str, Any], d: Decision, s: Scaled) -> None:
         message = f"stage {d.stage}: {d.current} -> {d.desired} replicas ({d.reason})"

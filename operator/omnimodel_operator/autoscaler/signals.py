@@ -26,6 +26,7 @@ Manifest = dict[str, Any]
 GATEWAY_IN_FLIGHT: Final = "omnimodel_gateway_stage_in_flight"
 GATEWAY_WAITING: Final = "omnimodel_gateway_stage_waiting"
 GATEWAY_SECONDS: Final = "omnimodel_gateway_stage_request_seconds"
+GATEWAY_BUSY: Final = "omnimodel_gateway_stage_busy_seconds_total"
 STAGE_QUEUE: Final = "omnimodel_queue_depth"
 VLLM_OMNI_WAITING: Final = "vllm_omni:stage_waiting_requests"
 
@@ -35,6 +36,9 @@ class Readings:
     """Per stage: in flight, waiting for a replica, mean request seconds, queued at the stage."""
 
     in_flight: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # In flight integrated over time, summed over the gateways that answered (its rate is the mean
+    # concurrency since the last reading).
+    busy_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     waiting: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     seconds_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     seconds_count: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -65,6 +69,8 @@ def parse(text: str, readings: Readings, *, stage_of_pod: str | None = None, sta
             stage = sample.labels.get("stage")
             if sample.name == GATEWAY_IN_FLIGHT and stage:
                 readings.in_flight[stage] += sample.value
+            elif sample.name == GATEWAY_BUSY and stage:
+                readings.busy_seconds[stage] += sample.value
             elif sample.name == GATEWAY_WAITING and stage:
                 readings.waiting[stage] += sample.value
             elif sample.name == f"{GATEWAY_SECONDS}_sum" and stage:

@@ -128,3 +128,38 @@ async def test_a_gateway_that_does_not_answer_blocks_scale_down_not_scale_up(set
     (decision,) = await scaler.scale(("ml", "qwen-omni"))
     assert (decision.current, decision.desired) == (4, 4)
     assert "did not report" in decision.reason
+
+
+def busy_metrics(busy: dict[str, float], in_flight: dict[str, float]) -> str:
+    lines = [f'omnimodel_gateway_stage_busy_seconds_total{{stage="{s}"}} {v}' for s, v in busy.items()]
+    return metrics(in_flight) + "\n".join(["# TYPE omnimodel_gateway_stage_busy_seconds counter", *lines]) + "\n"
+
+
+async def test_the_mean_concurrency_between_decisions_drives_in_flight_not_the_instant(setup: Any) -> None:
+    """Short requests: the gauge read at the instant of a scrape may show 0 of 6 busy clients. The rate of
+    the gateways' busy seconds is the mean in flight since the last decision (Little's law)."""
+    kube, pods, scaler, _, clock = setup
+    kube.put(omni({"minReplicas": 1, "maxReplicas": 4, "target": 2}))
+    await converge(kube)
+    kube.put(gateway_pod("10.244.0.7", 0))
+    kube.put(gateway_pod("10.244.0.8", 1))
+    pods.metrics = {
+        "10.244.0.7": busy_metrics({"talker": 100.0}, {"talker": 0}),
+        "10.244.0.8": busy_metrics({"talker": 50.0}, {"talker": 0}),
+    }
+    (first,) = await scaler.scale(("ml", "qwen-omni"))
+    assert (first.current, first.desired) == (1, 1)  # the first reading has nothing to compare with: the gauge
+    clock[0] += 10
+    pods.metrics = {  # 40 + 20 busy seconds in 10 s: six in flight on average, none at this instant
+        "10.244.0.7": busy_metrics({"talker": 140.0}, {"talker": 0}),
+        "10.244.0.8": busy_metrics({"talker": 70.0}, {"talker": 0}),
+    }
+    (second,) = await scaler.scale(("ml", "qwen-omni"))
+    assert (second.current, second.desired, second.signal) == (1, 3, 6.0)
+    clock[0] += 10
+    pods.metrics = {  # a gateway restarted: its counter went back; the instant's gauge decides this once
+        "10.244.0.7": busy_metrics({"talker": 5.0}, {"talker": 4}),
+        "10.244.0.8": busy_metrics({"talker": 75.0}, {"talker": 0}),
+    }
+    (third,) = await scaler.scale(("ml", "qwen-omni"))
+    assert third.signal == 4.0

@@ -382,6 +382,9 @@ async def test_a_request_for_a_stage_at_zero_is_held_until_a_replica_answers() -
             assert _sample(page, "omnimodel_gateway_stage_waiting") == 0
             assert _sample(page, "omnimodel_gateway_stage_in_flight") == 0
             assert _sample(page, "omnimodel_gateway_stage_request_seconds_count") == 1
+            # One request was in flight for as long as the stage took it (it was not in flight while held).
+            busy = _sample(page, "omnimodel_gateway_stage_busy_seconds_total")
+            assert 0 < busy <= _sample(page, "omnimodel_gateway_stage_request_seconds_sum") + 0.05
 
 
 async def test_a_stage_that_does_not_wake_in_time_fails_the_request_with_a_503_naming_it() -> None:
