@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -258,6 +260,8 @@ class PodRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Short names for the pods' /tmp directories (see _short_tmp), made on first use.
+        self._short_tmp_dir: Path | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -286,6 +290,9 @@ class PodRunner:
                 except (ApiError, OSError) as exc:
                     log.warning("could not delete PersistentVolume %s: %s", name, exc)
             self.bound_volumes.clear()
+            if self._short_tmp_dir is not None:
+                shutil.rmtree(self._short_tmp_dir, ignore_errors=True)  # symlinks only: their targets stay
+                self._short_tmp_dir = None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -605,7 +612,7 @@ class PodRunner:
         if tmp != "/tmp" and "TMPDIR" not in env:
             # A program's own temporary files (tempfile, mkstemp) go where /tmp is in its container: the
             # pod's volume, not the host's /tmp that every pod would share.
-            env["TMPDIR"] = tmp
+            env["TMPDIR"] = self._short_tmp(tmp)
 
         argv = [expand_env_refs(a, container_env) for a in [*container.get("command", []), *container.get("args", [])]]
         vllm_omni = is_vllm_omni(container)
@@ -657,6 +664,17 @@ class PodRunner:
         if pod.proc.poll() is None:
             pod.proc.wait(timeout=5)
         log.info("stopped pod %s (pid %d, exit %s)", pod.name, pod.proc.pid, pod.proc.returncode)
+
+    def _short_tmp(self, directory: str) -> str:
+        """A short path to ``directory`` (a symlink): in a container /tmp is 4 characters, and programs put
+        Unix sockets there (vLLM's ZMQ IPC), whose paths may not exceed 107 bytes; the pod's volume
+        directory under a test's work dir already takes 90."""
+        if self._short_tmp_dir is None:
+            self._short_tmp_dir = Path(tempfile.mkdtemp(prefix="tb-", dir="/tmp"))
+        link = self._short_tmp_dir / hashlib.sha256(directory.encode()).hexdigest()[:10]
+        if not link.is_symlink():
+            link.symlink_to(directory, target_is_directory=True)
+        return str(link)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
