@@ -47,10 +47,15 @@ def test_scaled_stage_pods_share_the_traffic(kube: Kube, pods: PodRunner) -> Non
     stages = [f"http://{p.ip}:8001" for p in pods.processes("text-tiny-llm")]
     wait_for(lambda: all(healthy(u) for u in [*stages, base]), 180, interval=0.5, what="all pods healthy")
     # the gateway finds both pods through the headless Service and balances across them
+    # Seen and in its pool: a pod that has just loaded may still answer a probe late, and the gateway
+    # keeps an endpoint out of the pool until a probe is answered in time.
     wait_for(
-        lambda: len(httpx.get(f"{base}/health", timeout=5).json()["stages"]["llm"]["endpoints"]) == 2,
-        30,
-        what="gateway sees both stage pods",
+        lambda: (
+            [e["healthy"] for e in httpx.get(f"{base}/health", timeout=5).json()["stages"]["llm"]["endpoints"]]
+            == [True, True]
+        ),
+        60,
+        what="gateway sees both stage pods healthy",
     )
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
     for i in range(6):

@@ -79,7 +79,9 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
     for i in range(4):
         assert png(client, "qwen-image", f"a cube {i}").startswith(b"\x89PNG\r\n\x1a\n")
     served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(head)))
-    assert served == [0, 0, 1, 1], served  # the head's own replica and the replica pod's
+    # Both the head's own replica and the replica pod's serve. Not an exact two and two: vLLM-Omni 0.30's
+    # round-robin counts from where its cursor stands (a CI run saw three and one).
+    assert len(served) == 4 and set(served) == {0, 1}, served
 
     # Kill the replica pod under steady traffic: no request hangs, and the graph serves again (the
     # operator restarts the head, then the replicas, which register with it) within the bound.
