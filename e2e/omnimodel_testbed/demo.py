@@ -481,7 +481,8 @@ class _Inside:
             with r.step("vllm-omni", slow_after=60, look_at=self.pod_logs):
                 self.vllm_images()
         else:
-            r.say("(skipped: run `make demo DEMO_VLLM_OMNI=1` to add an OmniModel on vLLM-Omni's own engines)")
+            with r.step("vllm-omni", slow_after=60):
+                r.say("skipped: run `make demo DEMO_VLLM_OMNI=1` to add an OmniModel on vLLM-Omni's own engines")
 
     def start_cluster(self) -> None:
         cluster = Cluster(self.paths.state_dir, pod_cidr=NETNS_POD_CIDR)
