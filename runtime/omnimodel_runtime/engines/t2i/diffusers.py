@@ -99,6 +99,8 @@ DEFAULT_BATCH_WAIT: Final = 0.25
 DEFAULT_MAX_BATCH: Final = 8
 
 LATENTS: Final = "latents"
+# Graphs dynamo may keep for the compiled block (shape families: size x batch x prompt length at worst).
+RECOMPILE_LIMIT: Final = 64
 # engine_args.attention -> diffusers' attention backend (PyTorch's scaled-dot-product kernels, pinned).
 ATTENTION_BACKENDS: Final = {"cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}
 
@@ -301,7 +303,12 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         if mode not in (None, "", "none"):
             if mode != "regional":
                 raise ValueError(f"engine_args.compile must be regional or none, not {mode!r}")
-            transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
+            # Shapes vary by request: the prompt's token count, the batch, the image size. dynamic=None lets
+            # dynamo compile a shape-generic graph when a dimension changes (a second prompt length, say)
+            # instead of one graph per shape; with dynamic=False every new prompt length cost a compile and
+            # the ninth failed the request (fullgraph: FailOnRecompileLimitHit, seen on the H200).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            transformer.compile_repeated_blocks(fullgraph=True, dynamic=None)
         if any(value not in (None, "", "none", "native") for value in (cache, mode, attention)):
             log.info(
                 "Transformer of stage %s: compile=%s cache=%s attention=%s", self.stage.name, mode, cache, attention
