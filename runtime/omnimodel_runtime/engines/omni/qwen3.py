@@ -28,7 +28,6 @@ docs/pipelines/qwen3-omni.md.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import warnings
 from typing import Any, Final
@@ -64,13 +63,13 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.omni.talker import warm_up_talker
 from omnimodel_runtime.engines.omni.thinker import OmniThinkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     StageInput,
     StageParams,
-    StageRequest,
     TensorFrame,
     Usage,
 )
@@ -176,39 +175,21 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
         assert self._speakers is not None
         return int(self._speakers[voice]["codec_id"])
 
-    def row_hook(self, job: OmniJob, stream: Any) -> Any:
-        return _EmbeddingRows(self, job, stream)
+    # The talker reads the voice as a codec id.
+    speaker_meta = "speaker_id"
+
+    def prompt_rows(self, embeds: torch.Tensor, output: Any, job: OmniJob) -> torch.Tensor:
+        """The prompt's input embeddings: the talker projects them itself (``text_projection``)."""
+        return embeds
+
+    def reply_rows(self, embeds: torch.Tensor, output: Any) -> torch.Tensor:
+        return embeds
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The ``tts_bos``, ``tts_eos`` and ``tts_pad`` embeddings (thinker ``embed_tokens`` rows)."""
         ids = torch.tensor([self._special_ids], dtype=torch.long, device=self.device)
         rows: torch.Tensor = self.model.get_input_embeddings()(ids)[0]
         return rows
-
-
-class _EmbeddingRows:
-    """Forward hook on the thinker's text model: the step's input embeddings as talker rows."""
-
-    def __init__(self, engine: Qwen3ThinkerEngine, job: OmniJob, stream: Any) -> None:
-        self.engine = engine
-        self.job = job
-        self.stream = stream
-        self.prefilled = False
-
-    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        embeds: torch.Tensor = kwargs["inputs_embeds"][0]
-        rows, dtype = rows_to_wire(embeds)
-        if not self.prefilled:
-            self.prefilled = True
-            prompt_ids: list[int] = self.job.data["prompt_ids"]
-            special, _ = rows_to_wire(self.engine.special_rows(0))
-            tensors = {"prompt_rows": rows, "prompt_ids": np.array(prompt_ids, dtype=np.int64), "special_rows": special}
-            self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_id=self.job.data["speaker_bos"]))
-            return
-        token = self.stream.tokens[-1]
-        self.job.emit(
-            tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": np.array([token], dtype=np.int64)}, dtype=dtype)
-        )
 
 
 # ---------------------------------------------------------------- talker
@@ -245,26 +226,12 @@ class Qwen3TalkerEngine(OmniEngine):
 
     async def warmup(self) -> None:
         c = self.config
-        hidden = int(c.talker_config.thinker_hidden_size)
         ids = [c.im_start_token_id, c.user_token_id, c.im_end_token_id, c.im_start_token_id, c.assistant_token_id, 0]
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        rows = np.zeros((len(ids), hidden), dtype=np.uint16 if dtype == "bfloat16" else np.float32)
-
-        async def upstream() -> Any:
-            yield tensor_frame(
-                PROMPT_KIND,
-                {"prompt_rows": rows, "prompt_ids": np.array(ids, dtype=np.int64), "special_rows": rows[:3]},
-                dtype=dtype,
-                speaker_id=next(iter(c.talker_config.speaker_id.values())),
-            )
-            yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        hidden = int(c.talker_config.thinker_hidden_size)
+        rows, dtype = rows_to_wire(torch.zeros((len(ids), hidden), dtype=self.model.dtype))
+        tensors = {"prompt_rows": rows, "prompt_ids": np.array(ids, dtype=np.int64), "special_rows": rows[:3]}
+        speaker = next(iter(c.talker_config.speaker_id.values()))
+        await warm_up_talker(self, tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_id=speaker))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
@@ -454,17 +421,8 @@ class Qwen3Code2WavEngine(OmniEngine):
         one_at_a_time(self)
 
     async def warmup(self) -> None:
-        groups = int(self.model.config.num_quantizers)
-
-        async def upstream() -> Any:
-            yield tensor_frame(CODES_KIND, {"codes": np.zeros(groups, dtype=np.int64)})
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(audio_chunked=False)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        codes = tensor_frame(CODES_KIND, {"codes": np.zeros(int(self.model.config.num_quantizers), dtype=np.int64)})
+        await self.warm_up_on([codes], StageParams(audio_chunked=False))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
