@@ -44,19 +44,9 @@ AUDIO, IMAGE, VIDEO = "<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>"
 AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS = "<|audio_bos|>", "<|audio_eos|>", "<|vision_bos|>", "<|vision_eos|>"
 TTS_PAD, TTS_TEXT_BOS, TTS_TEXT_EOD = "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"
 VOICES: Final = ("Chelsie", "Ethan")
-EXTRA_TOKENS: Final = (
-    AUDIO,
-    IMAGE,
-    VIDEO,
-    AUDIO_BOS,
-    AUDIO_EOS,
-    VISION_BOS,
-    VISION_EOS,
-    TTS_PAD,
-    TTS_TEXT_BOS,
-    TTS_TEXT_EOD,
-    *(f"<|spk_{v.lower()}|>" for v in VOICES),
-)
+# The media markers and TTS controls, after the three placeholders (the Qwen3-Omni tiny model's too).
+MARKERS: Final = (AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS, TTS_PAD, TTS_TEXT_BOS, TTS_TEXT_EOD)
+EXTRA_TOKENS: Final = (AUDIO, IMAGE, VIDEO, *MARKERS, *(f"<|spk_{v.lower()}|>" for v in VOICES))
 
 # The tokenizer attributes the released tokenizer_config names (the processor looks them up by name).
 NAMED_TOKENS: Final[dict[str, str]] = {

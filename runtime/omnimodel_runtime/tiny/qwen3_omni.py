@@ -37,13 +37,12 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.layout import OMNI_GENERATION_FILE
 from omnimodel_runtime.tiny.omni import (
     AUDIO_BOS,
-    AUDIO_EOS,
+    MARKERS,
     TARGET_RMS,
     TTS_PAD,
     TTS_TEXT_BOS,
     TTS_TEXT_EOD,
     VISION_BOS,
-    VISION_EOS,
     _tokenizer,
 )
 from omnimodel_runtime.tiny.text import IM_END, IM_START, _silence_unprintable
@@ -51,18 +50,7 @@ from omnimodel_runtime.tiny.text import IM_END, IM_START, _silence_unprintable
 PRESET: Final = "qwen3-omni"
 # The released tokenizer's placeholder names (Qwen3-Omni renamed Qwen2.5-Omni's <|AUDIO|> and kin).
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>"
-EXTRA_TOKENS: Final = (
-    AUDIO_PAD,
-    IMAGE_PAD,
-    VIDEO_PAD,
-    AUDIO_BOS,
-    AUDIO_EOS,
-    VISION_BOS,
-    VISION_EOS,
-    TTS_PAD,
-    TTS_TEXT_BOS,
-    TTS_TEXT_EOD,
-)
+EXTRA_TOKENS: Final = (AUDIO_PAD, IMAGE_PAD, VIDEO_PAD, *MARKERS)
 # The released voices (talker_config.speaker_id); the whole model's generate() defaults to Ethan.
 VOICES: Final = ("Ethan", "Chelsie", "Aiden")
 
