@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import (
     AutoTokenizer,
     LogitsProcessor,
@@ -338,7 +339,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.text_model.register_forward_hook(self.row_hook(job, criterion), with_kwargs=True))
+            hooks.extend(self.row_hooks(job, criterion))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
@@ -524,9 +525,10 @@ class OmniThinkerEngine(OmniEngine):
     # The prompt frame's meta key of the voice's id (``job.data["speaker_bos"]``), as the talker reads it.
     speaker_meta: str = "speaker_bos_token"
 
-    def row_hook(self, job: OmniJob, stream: _Stream) -> Any:
-        """The forward hook on :attr:`text_model` that streams ``job``'s rows to the talker."""
-        return _RowHook(self, job, stream)
+    def row_hooks(self, job: OmniJob, stream: _Stream) -> list[RemovableHandle]:
+        """The forward hooks that stream ``job``'s rows to the talker during its ``generate()`` (which
+        removes them): one on :attr:`text_model`."""
+        return [self.text_model.register_forward_hook(_RowHook(self, job, stream), with_kwargs=True)]
 
     @property
     def text_model(self) -> Any:
