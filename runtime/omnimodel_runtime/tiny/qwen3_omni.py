@@ -109,7 +109,7 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
             "d_model": 16,
             "output_dim": h,
             "max_source_positions": 100,
-            # The released window (chunks of 100 mel frames): Qwen3OmniMoeProcessor counts each audio's
+            # transformers' default window (chunks of 100 mel frames): Qwen3OmniMoeProcessor counts each audio's
             # placeholders with its own n_window (50 unless told otherwise), which must agree.
             "n_window": 50,
             "n_window_infer": 200,
@@ -175,7 +175,7 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
         "num_code_groups": CODE_GROUPS,
         "thinker_hidden_size": h,
         # The talker reads the thinker's hidden state after this layer at audio/image positions: a middle
-        # layer, as released (a layer's own output, not the final-normed one).
+        # layer, as in transformers' default config (18 of 28): a layer's own output, not the final-normed one.
         "accept_hidden_layer": 1,
         "speaker_id": {v.lower(): c + 6 + i for i, v in enumerate(VOICES)},
         # Read by the talker but not declared by its config class (the released config.json carries it).

@@ -51,7 +51,7 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
         module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"
     ),
     # v2: audio and image input (a processor config, the Qwen3 placeholders named and templated, the
-    # released audio window) and a middle accept_hidden_layer.
+    # default audio window) and a middle accept_hidden_layer.
     "qwen3-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers", version=2
     ),

@@ -167,10 +167,10 @@ async def test_image_chat_answers_as_the_whole_model_does(serve: httpx.AsyncClie
 async def test_the_talker_reads_the_thinker_at_any_accept_hidden_layer(
     serve: httpx.AsyncClient, whole: Whole, monkeypatch: pytest.MonkeyPatch, layer: int
 ) -> None:
-    """The tiny checkpoint's accept_hidden_layer (1 of 2) is a decoder layer's own output, as released; the
-    ends are other tensors (0: the input embeddings; 2: the final-normed output). Each, set on the thinker
-    stage and on the whole model alike, still gives the whole model's waveform, and another one than
-    layer 1's: the talker does hear those rows."""
+    """The tiny checkpoint's accept_hidden_layer (1 of 2) is a decoder layer's own output (a middle one, as
+    in transformers' default config); the ends are other tensors (0: the input embeddings; 2: the
+    final-normed output). Each, set on the thinker stage and on the whole model alike, still gives the whole
+    model's waveform, and another one than layer 1's: the talker does hear those rows."""
     content = [audio_part(wav_file(1.0, seed=7)), {"type": "text", "text": QUESTION}]
     at_layer_1 = wav_of((await spoken(serve, content, voice="Ethan", seed=2)).choices[0].message.model_dump())
     app = serve._transport.app  # type: ignore[attr-defined]
