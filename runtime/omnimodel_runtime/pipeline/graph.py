@@ -83,6 +83,7 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
 # task not named here takes text only, and the gateway refuses any other part with a 400 naming it.
 TASK_INPUTS: Final[Mapping[str, tuple[Modality, ...]]] = {
     "omni-thinker": (Modality.TEXT, Modality.AUDIO, Modality.IMAGE),
+    "qwen3-omni-thinker": (Modality.TEXT, Modality.AUDIO, Modality.IMAGE),
 }
 
 

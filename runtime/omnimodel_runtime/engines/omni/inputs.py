@@ -1,6 +1,6 @@
-"""Audio and image input of the Qwen2.5-Omni thinker: the request's media bytes through the model's own
-processor (``Qwen2_5OmniProcessor``: Whisper features for audio, Qwen2-VL patches for images, placeholder
-tokens expanded to one per encoder output), ready for the thinker's ``generate()``.
+"""Audio and image input of the Omni thinkers: the request's media bytes through the model's own processor
+(``Qwen2_5OmniProcessor``, ``Qwen3OmniMoeProcessor``: Whisper features for audio, Qwen2-VL patches for
+images, placeholder tokens expanded to one per encoder output), ready for the thinker's ``generate()``.
 
 - **Audio** (``wav``/``mp3``/``flac`` files) is decoded by libsndfile, mixed down to mono and resampled to
   the feature extractor's rate (16 kHz for the released model).
@@ -14,6 +14,7 @@ A file that cannot be decoded is a 400 naming its content part.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import types
@@ -45,29 +46,40 @@ PROCESSOR_FILE: Final = "preprocessor_config.json"
 _PLACEHOLDERS: Final = frozenset({"audio", "image"})
 
 
-class _NoVideoProcessor(Qwen2_5OmniProcessor):  # type: ignore[misc]  # transformers is untyped here
-    """The Omni processor without its video processor (which needs torchvision): the video slot holds
-    the image processor's patch geometry, all the placeholder expansion reads of it without videos."""
+@functools.cache
+def _without_video(processor: Any) -> Any:
+    """``processor`` (an Omni processor class) without its video processor (which needs torchvision): the
+    video slot holds the image processor's patch geometry, all the placeholder expansion reads of it
+    without videos."""
 
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+    def check_argument_for_proper_class(self: Any, argument_name: str, argument: Any) -> Any:
         if argument_name == "video_processor":
             return None
-        return super().check_argument_for_proper_class(argument_name, argument)
+        return processor.check_argument_for_proper_class(self, argument_name, argument)
+
+    return type(
+        f"{processor.__name__}WithoutVideo",
+        (processor,),
+        {"check_argument_for_proper_class": check_argument_for_proper_class},
+    )
 
 
-def load_processor(model_dir: Path) -> Any | None:
-    """The checkpoint's ``Qwen2_5OmniProcessor``, or None when it ships no processor config."""
+def load_processor(model_dir: Path, processor: Any = Qwen2_5OmniProcessor) -> Any | None:
+    """The checkpoint's Omni processor (``processor``: ``Qwen2_5OmniProcessor`` or
+    ``Qwen3OmniMoeProcessor``), or None when it ships no processor config."""
     if not (model_dir / PROCESSOR_FILE).is_file():
         return None
     with quiet_transformers():
         try:
-            return Qwen2_5OmniProcessor.from_pretrained(model_dir)
+            return processor.from_pretrained(model_dir)
         except ImportError as err:  # torchvision, for the video processor
-            log.info("Building the Omni processor without video input (%s)", str(err).splitlines()[0])
+            # transformers' message starts with a newline: its first line of text says what is missing.
+            reason = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            log.info("Building the Omni processor without video input (%s)", reason)
         image = Qwen2VLImageProcessor.from_pretrained(model_dir)
         geometry = types.SimpleNamespace(merge_size=image.merge_size, temporal_patch_size=image.temporal_patch_size)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return _NoVideoProcessor(
+        return _without_video(processor)(
             image_processor=image,
             video_processor=geometry,
             feature_extractor=WhisperFeatureExtractor.from_pretrained(model_dir),
