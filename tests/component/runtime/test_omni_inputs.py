@@ -89,7 +89,7 @@ def whole_generate(
     import torch
     from PIL import Image
 
-    from omnimodel_runtime.engines.omni.inputs import load_processor
+    from omnimodel_runtime.engines.omni.inputs import audio_in_video_kwargs, load_processor
 
     if threads is not None:
         previous = torch.get_num_threads()
@@ -103,12 +103,14 @@ def whole_generate(
     processor = load_processor(whole.model_dir)
     parts: list[dict[str, Any]] = []
     audio: list[np.ndarray] = []
+    sources: list[int | None] = []  # per audio input: None, or 0 for the video's track
     images: list[Any] = []
     for part in content:
         if part["type"] == "input_audio":
             samples, rate = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
             assert rate == processor.feature_extractor.sampling_rate
             audio.append(samples)
+            sources.append(None)
             parts.append({"type": "audio", "audio": samples})
         elif part["type"] == "image_url":
             data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
@@ -118,6 +120,7 @@ def whole_generate(
             assert video is not None
             if video.audio is not None:
                 audio.append(video.audio)  # in the video's place: the processor reads them in text order
+                sources.append(0)
             parts.append({"type": "video", "video": "frames"})
         else:
             parts.append(part)
@@ -127,7 +130,10 @@ def whole_generate(
     with_audio = video is not None and video.audio is not None
     videos: dict[str, Any] = {}
     if video is not None:
-        videos = {"videos": [video.frames], "fps": video.fps, "use_audio_in_video": with_audio}
+        videos = {"videos": [video.frames], "fps": video.fps, "cap_pixels_per_frame": True}
+        if with_audio:
+            # The argument's name and form depend on the transformers release.
+            videos.update(audio_in_video_kwargs(processor, sources))
     with warnings.catch_warnings():
         # transformers 5.19 interleaves a video's audio with np.arange(a torch scalar), which numpy 2
         # reports as deprecated; the stage under test runs the same line.
@@ -138,7 +144,6 @@ def whole_generate(
             images=images or None,
             return_tensors="pt",
             **videos,
-            **({"cap_pixels_per_frame": True} if video is not None else {}),
         )
     talker = whole.model.talker
     generation = json.loads((whole.model_dir / "omni_generation_config.json").read_text())["talker"]

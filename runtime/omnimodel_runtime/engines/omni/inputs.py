@@ -99,7 +99,12 @@ class Decoded:
     images: list[Any]
     videos: list[np.ndarray] = field(default_factory=list)
     fps: float | None = None
-    use_audio_in_video: bool = False
+    # Per audio input: None for an audio part, the video's index for a video's track.
+    audio_from_video: list[int | None] = field(default_factory=list)
+
+    @property
+    def use_audio_in_video(self) -> bool:
+        return any(source is not None for source in self.audio_from_video)
 
 
 def decode_audio(data: np.ndarray, media: MediaInput, rate: int) -> np.ndarray:
@@ -139,13 +144,14 @@ def decode(request: StageRequest, tensors: Mapping[str, np.ndarray], rate: int, 
     images: list[Any] = []
     frames: list[np.ndarray] = []
     fps: float | None = None
-    use_audio_in_video = False
+    sources: list[int | None] = []
     for media in request.media:
         data = tensors.get(media.tensor)
         if data is None or data.dtype != np.uint8 or data.ndim != 1:
             raise StageError(f"{media.param}: its bytes did not arrive with the request", status=400)
         if media.kind == "audio":
             audio.append(decode_audio(data, media, rate))
+            sources.append(None)
         elif media.kind == "image":
             images.append(decode_image(data, media.param))
         else:
@@ -162,8 +168,8 @@ def decode(request: StageRequest, tensors: Mapping[str, np.ndarray], rate: int, 
             if video.audio is not None:
                 # In the video's place among the audio inputs: the processor takes them in text order.
                 audio.append(video.audio)
-                use_audio_in_video = True
-    return Decoded(audio=audio, images=images, videos=frames, fps=fps, use_audio_in_video=use_audio_in_video)
+                sources.append(len(frames) - 1)
+    return Decoded(audio=audio, images=images, videos=frames, fps=fps, audio_from_video=sources)
 
 
 def processor_inputs(processor: Any, text: str, decoded: Decoded) -> dict[str, torch.Tensor]:
@@ -174,7 +180,9 @@ def processor_inputs(processor: Any, text: str, decoded: Decoded) -> dict[str, t
     if decoded.videos:
         # The per-frame pixel cap of qwen-vl-utils, which transformers makes its default in 5.22: both
         # video processors then give the same patches, whichever transformers is installed.
-        video = {"fps": decoded.fps, "use_audio_in_video": decoded.use_audio_in_video, "cap_pixels_per_frame": True}
+        video = {"fps": decoded.fps, "cap_pixels_per_frame": True}
+        if decoded.use_audio_in_video:
+            video.update(audio_in_video_kwargs(processor, decoded.audio_from_video))
     out = processor(
         text=[text],
         audio=decoded.audio or None,
@@ -184,3 +192,14 @@ def processor_inputs(processor: Any, text: str, decoded: Decoded) -> dict[str, t
         **video,
     )
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def audio_in_video_kwargs(processor: Any, audio_from_video: list[int | None]) -> dict[str, Any]:
+    """The processor arguments that interleave videos with their audio tracks (already decoded, among the
+    audio inputs; ``audio_from_video``: each one's video index, None for an audio part). transformers 5.19
+    takes ``use_audio_in_video``; 5.24's omni-modal processor base deprecates it for
+    ``load_audio_from_video`` plus the source of every audio input, without which it counts a video's track
+    as an audio part with no placeholder and refuses the prompt."""
+    if hasattr(processor, "load_audio_from_video"):
+        return {"load_audio_from_video": True, "audio_from_video_indices": audio_from_video}
+    return {"use_audio_in_video": True}
