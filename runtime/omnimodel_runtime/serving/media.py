@@ -1,9 +1,10 @@
 """Chat content parts → what the entry stage gets: messages with placeholders, media refs, media bytes.
 
 Which parts a model takes is its entry stage's (``Pipeline.input_modalities``): ``text`` everywhere,
-``input_audio``, ``image_url`` and ``video_url`` (vLLM's part) where the entry stage takes audio, images
-and video (the Qwen2.5-Omni thinker). Every other part, and a media part the model cannot take, is a 400
-naming the part (``messages[0].content[1]``): never dropped in silence.
+``input_audio`` and ``image_url`` where the entry stage takes audio and images (the Qwen2.5-Omni and
+Qwen3-Omni thinkers), and ``video_url`` (vLLM's part) where it takes video (the Qwen2.5-Omni thinker).
+Every other part, and a media part the model cannot take, is a 400 naming the part
+(``messages[0].content[1]``): never dropped in silence.
 
 Media are checked and base64-decoded here (a broken data URL is a 400 before any stage is asked) but not
 decoded further: the bytes of the file travel to the entry stage as a uint8 tensor of the request

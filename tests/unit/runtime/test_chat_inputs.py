@@ -1,14 +1,15 @@
 """Content parts of chat messages through the API, on every preset that serves chat, with fake stage
-engines: what each model takes (text everywhere; audio, images and video on the omni thinker), a 400 naming the
-part for anything else, and the media reaching the entry stage as request tensors (in process and in the
-request frame of the stage protocol). The real thinker on these inputs: tests/component."""
+engines: what each model takes (text everywhere; audio and images on the omni thinkers, video on
+Qwen2.5-Omni's), a 400 naming the part for anything else, and the media reaching the entry stage as request
+tensors (in process and in the request frame of the stage protocol). The real thinkers on these inputs:
+tests/component."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -28,6 +29,8 @@ CHAT_PRESETS = sorted(
 WAV = b"RIFF....WAVEfmt fake bytes: the gateway does not decode them"
 PNG = b"\x89PNG\r\n\x1a\nfake"
 MP4 = b"\x00\x00\x00\x18ftypmp42 fake"
+# The presets whose thinker takes audio and images.
+OMNI: Final = ["qwen2.5-omni", "qwen3-omni"]
 
 
 def audio_part(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
@@ -62,8 +65,8 @@ def test_every_preset_that_serves_chat_is_covered() -> None:
 
 
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
-    ("input_audio", audio_part(), {"qwen2.5-omni"}),
-    ("image_url", image_part(), {"qwen2.5-omni"}),
+    ("input_audio", audio_part(), set(OMNI)),
+    ("image_url", image_part(), set(OMNI)),
     ("video_url", video_part(), {"qwen2.5-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
     ("file", {"type": "file", "file": {"file_id": "f"}}, set()),
@@ -100,8 +103,9 @@ async def test_text_parts_are_taken_everywhere(preset: str) -> None:
     assert inp.tensors == {}
 
 
-async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_request_tensors() -> None:
-    fake = serve("qwen2.5-omni")
+@pytest.mark.parametrize("preset", OMNI)
+async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_request_tensors(preset: str) -> None:
+    fake = serve(preset)
     messages = [{"role": "user", "content": [audio_part(), text_part(), image_part(), audio_part(b"second", "flac")]}]
     resp = await post(fake, messages)
     assert resp.status_code == 200, resp.text
@@ -146,8 +150,9 @@ async def test_a_video_part_is_a_video_placeholder_with_its_frames_and_audio_wis
     assert resp.json()["error"]["param"] == "mm_processor_kwargs.fps"
 
 
-async def test_voice_chat_sends_the_media_to_the_entry_stage_only() -> None:
-    fake = serve("qwen2.5-omni")
+@pytest.mark.parametrize("preset", OMNI)
+async def test_voice_chat_sends_the_media_to_the_entry_stage_only(preset: str) -> None:
+    fake = serve(preset)
     # The fake talker and code2wav answer text, not audio: what matters here is what they were sent.
     await post(fake, [{"role": "user", "content": [audio_part()]}], modalities=["text", "audio"])
     (thinker,) = fake.engines["thinker"].requests

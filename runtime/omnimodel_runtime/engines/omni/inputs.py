@@ -1,7 +1,7 @@
-"""Audio, image and video input of the Qwen2.5-Omni thinker: the request's media bytes through the
-model's own processor (``Qwen2_5OmniProcessor``: Whisper features for audio, Qwen2-VL patches for images
-and video frames, placeholder tokens expanded to one per encoder output), ready for the thinker's
-``generate()``.
+"""Audio, image and video input of the Omni thinkers: the request's media bytes through the model's own
+processor (``Qwen2_5OmniProcessor``, ``Qwen3OmniMoeProcessor``: Whisper features for audio, Qwen2-VL patches
+for images and video frames, placeholder tokens expanded to one per encoder output), ready for the
+thinker's ``generate()``. Video is served on Qwen2.5-Omni only (the gateway refuses it elsewhere).
 
 - **Audio** (``wav``/``mp3``/``flac`` files) is decoded by libsndfile, mixed down to mono and resampled to
   the feature extractor's rate (16 kHz for the released model).
@@ -22,6 +22,7 @@ A file that cannot be decoded is a 400 naming its content part.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from collections.abc import Mapping
@@ -53,34 +54,44 @@ PROCESSOR_FILE: Final = "preprocessor_config.json"
 _PLACEHOLDERS: Final = frozenset({"audio", "image", "video"})
 
 
-class _TorchVideoProcessor(Qwen2_5OmniProcessor):  # type: ignore[misc]  # transformers is untyped here
-    """The Omni processor with :class:`~.video.VideoProcessor` in its video processor's slot (transformers
-    checks that slot's class: it expects its own torchvision-based one)."""
+@functools.cache
+def _with_torch_video(processor: Any) -> Any:
+    """``processor`` (an Omni processor class) taking :class:`~.video.VideoProcessor` in its video
+    processor's slot (transformers checks that slot's class: it expects its own torchvision-based one)."""
 
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+    def check_argument_for_proper_class(self: Any, argument_name: str, argument: Any) -> Any:
         if argument_name == "video_processor":
             return None
-        return super().check_argument_for_proper_class(argument_name, argument)
+        return processor.check_argument_for_proper_class(self, argument_name, argument)
+
+    return type(
+        f"{processor.__name__}WithTorchVideo",
+        (processor,),
+        {"check_argument_for_proper_class": check_argument_for_proper_class},
+    )
 
 
-def load_processor(model_dir: Path) -> Any | None:
-    """The checkpoint's ``Qwen2_5OmniProcessor``, or None when it ships no processor config."""
+def load_processor(model_dir: Path, processor: Any = Qwen2_5OmniProcessor) -> Any | None:
+    """The checkpoint's Omni processor (``processor``: ``Qwen2_5OmniProcessor`` or
+    ``Qwen3OmniMoeProcessor``), or None when it ships no processor config."""
     if not (model_dir / PROCESSOR_FILE).is_file():
         return None
     with quiet_transformers():
         try:
-            return Qwen2_5OmniProcessor.from_pretrained(model_dir)
+            return processor.from_pretrained(model_dir)
         except ImportError as err:  # torchvision, for transformers' video processor
-            log.info("Building the Omni processor with the torch video processor (%s)", str(err).splitlines()[0])
-        return build_processor(model_dir)
+            # transformers' message starts with a newline: its first line of text says what is missing.
+            reason = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            log.info("Building the Omni processor with the torch video processor (%s)", reason)
+    return build_processor(model_dir, processor)
 
 
-def build_processor(model_dir: Path) -> Any:
+def build_processor(model_dir: Path, processor: Any = Qwen2_5OmniProcessor) -> Any:
     """The checkpoint's processor with :class:`~.video.VideoProcessor` as its video processor (what
     :func:`load_processor` returns without torchvision)."""
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return _TorchVideoProcessor(
+        return _with_torch_video(processor)(
             image_processor=Qwen2VLImageProcessor.from_pretrained(model_dir),
             video_processor=VideoProcessor.from_pretrained(model_dir),
             feature_extractor=WhisperFeatureExtractor.from_pretrained(model_dir),

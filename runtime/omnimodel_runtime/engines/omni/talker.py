@@ -15,7 +15,6 @@ code2wav, whose diffusion noise continues the same stream, as it does in the who
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from omnimodel_runtime.engines.omni.common import (
     load_part,
     request_seed,
     rows_from_wire,
+    rows_to_wire,
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
@@ -62,7 +62,6 @@ from omnimodel_runtime.protocol.stage import (
     ResponseFrame,
     StageInput,
     StageParams,
-    StageRequest,
     TensorFrame,
     Usage,
 )
@@ -78,6 +77,14 @@ TALKER_DEFAULTS: dict[str, Any] = {
     "temperature": 0.9,
     "repetition_penalty": 1.05,
 }
+
+
+async def warm_up_talker(engine: OmniEngine, prompt: TensorFrame) -> None:
+    """Warm a talker up on ``prompt`` (made-up rows will do) and one reply row, for two codes: every
+    module of a request's path runs once, prefill and decode."""
+    reply = {"rows": prompt.tensors["prompt_rows"][:1], "token_ids": np.zeros(1, dtype=np.int64)}
+    frames = [prompt, tensor_frame(REPLY_KIND, reply, dtype=prompt.meta["dtype"])]
+    await engine.warm_up_on(frames, StageParams(talker_max_new_tokens=2))
 
 
 class OmniTalkerEngine(OmniEngine):
@@ -112,31 +119,9 @@ class OmniTalkerEngine(OmniEngine):
             self._load_slots()
 
     async def warmup(self) -> None:
-        hidden = int(self.model.config.embedding_size)
-        rows = np.zeros((2, hidden), dtype=np.float32)
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        if dtype == "bfloat16":
-            rows = rows.astype(np.uint16)
-
-        async def upstream() -> Any:
-            yield tensor_frame(
-                PROMPT_KIND,
-                {
-                    "prompt_rows": rows,
-                    "prompt_ids": np.zeros(2, dtype=np.int64),
-                    "special_rows": np.concatenate([rows, rows[:1]]),
-                },
-                dtype=dtype,
-                speaker_bos_token=0,
-            )
-            yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        rows, dtype = rows_to_wire(torch.zeros((2, int(self.model.config.embedding_size)), dtype=self.model.dtype))
+        tensors = {"prompt_rows": rows, "prompt_ids": np.zeros(2, dtype=np.int64), "special_rows": rows[[0, 1, 0]]}
+        await warm_up_talker(self, tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_bos_token=0))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:

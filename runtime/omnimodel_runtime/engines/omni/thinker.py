@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import (
     AutoTokenizer,
     LogitsProcessor,
@@ -341,7 +342,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.text_model.register_forward_hook(self.row_hook(job, criterion), with_kwargs=True))
+            hooks.extend(self.row_hooks(job, criterion))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
@@ -529,9 +530,13 @@ class OmniThinkerEngine(OmniEngine):
 
     # ------------------------------------------------------------ rows for the talker
 
-    def row_hook(self, job: OmniJob, stream: _Stream) -> Any:
-        """The forward hook on :attr:`text_model` that streams ``job``'s rows to the talker."""
-        return _RowHook(self, job, stream)
+    # The prompt frame's meta key of the voice's id (``job.data["speaker_bos"]``), as the talker reads it.
+    speaker_meta: str = "speaker_bos_token"
+
+    def row_hooks(self, job: OmniJob, stream: _Stream) -> list[RemovableHandle]:
+        """The forward hooks that stream ``job``'s rows to the talker during its ``generate()`` (which
+        removes them): one on :attr:`text_model`."""
+        return [self.text_model.register_forward_hook(_RowHook(self, job, stream), with_kwargs=True)]
 
     @property
     def text_model(self) -> Any:
@@ -541,6 +546,19 @@ class OmniThinkerEngine(OmniEngine):
         attribute, the hook saw ``inputs_embeds=None``: "'NoneType' object is not subscriptable")."""
         inner = self.model.model
         return getattr(inner, "language_model", inner)
+
+    def prompt_rows(self, embeds: torch.Tensor, output: Any, job: OmniJob) -> torch.Tensor:
+        """The talker's rows of the prompt from the prefill's input embeddings and the text model's output:
+        embedding + final-normed hidden state (embeddings zeroed at the placeholders: the talker must not
+        see the audio/image features, only their positions)."""
+        embeds = embeds.masked_fill(self.placeholder_mask(job.data["prompt_ids"]).unsqueeze(-1), 0.0)
+        rows: torch.Tensor = output.last_hidden_state[0] + embeds
+        return rows
+
+    def reply_rows(self, embeds: torch.Tensor, output: Any) -> torch.Tensor:
+        """The talker's row of one consumed reply token: embedding + final-normed hidden state."""
+        rows: torch.Tensor = output.last_hidden_state[0] + embeds
+        return rows
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The talker's speaker-bos, text-end and text-pad embeddings (thinker ``embed_tokens`` rows)."""
@@ -657,7 +675,9 @@ class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped 
 
 
 class _RowHook:
-    """Forward hook on the thinker's text model: turns each step into talker rows."""
+    """Forward hook on the thinker's text model: turns each step into talker rows, the ones the engine's
+    family sends (:meth:`OmniThinkerEngine.prompt_rows` after the prefill, then
+    :meth:`OmniThinkerEngine.reply_rows` for each decode step)."""
 
     def __init__(self, engine: OmniThinkerEngine, job: OmniJob, stream: _Stream) -> None:
         self.engine = engine
@@ -667,24 +687,25 @@ class _RowHook:
 
     def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         embeds: torch.Tensor = kwargs["inputs_embeds"][0]
-        hidden: torch.Tensor = output.last_hidden_state[0]
         if not self.prefilled:
             self.prefilled = True
-            prompt_ids: list[int] = self.job.data["prompt_ids"]
-            # The talker must not see the audio/image features, only their positions.
-            embeds = embeds.masked_fill(self.engine.placeholder_mask(prompt_ids).unsqueeze(-1), 0.0)
-            rows, dtype = rows_to_wire(hidden + embeds)
-            special, _ = rows_to_wire(self.engine.special_rows(self.job.data["speaker_bos"]))
-            tensors = {"prompt_rows": rows, "prompt_ids": torch.tensor(prompt_ids).numpy(), "special_rows": special}
-            media = self.job.data.get("media")
+            data = self.job.data
+            rows, dtype = rows_to_wire(self.engine.prompt_rows(embeds, output, self.job))
+            special, _ = rows_to_wire(self.engine.special_rows(data["speaker_bos"]))
+            tensors = {
+                "prompt_rows": rows,
+                "prompt_ids": np.array(data["prompt_ids"], dtype=np.int64),
+                "special_rows": special,
+            }
+            media = data.get("media")
             tensors.update(talker_media(media))
             meta = {
-                "speaker_bos_token": self.job.data["speaker_bos"],
-                USE_AUDIO_IN_VIDEO: bool(media and media[USE_AUDIO_IN_VIDEO]),
+                self.engine.speaker_meta: data["speaker_bos"],
+                USE_AUDIO_IN_VIDEO: bool(media and media.get(USE_AUDIO_IN_VIDEO)),
             }
             self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, **meta))
             return
         # A decode step's input is the token sampled last; its row is what talker step t needs.
-        rows, dtype = rows_to_wire(hidden + embeds)
-        token = self.stream.tokens[-1]
-        self.job.emit(tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": torch.tensor([token]).numpy()}, dtype=dtype))
+        rows, dtype = rows_to_wire(self.engine.reply_rows(embeds, output))
+        token = np.array([self.stream.tokens[-1]], dtype=np.int64)
+        self.job.emit(tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": token}, dtype=dtype))

@@ -211,8 +211,7 @@ class VideoProcessor:
             size["shortest_edge"] = settings["min_pixels"]
         if settings.get("max_pixels") is not None:
             size["longest_edge"] = settings["max_pixels"]
-        if int(config["resample"]) != _BICUBIC:
-            raise ValueError(f"video processor: resample={config['resample']} (only bicubic, 3, is implemented)")
+        self.resample = int(config["resample"])
         self.size: dict[str, int] = size
         self.image_mean: list[float] = list(config["image_mean"])
         self.image_std: list[float] = list(config["image_std"])
@@ -273,6 +272,9 @@ class VideoProcessor:
         count, channels, height, width = frames.shape
         factor = self.patch_size * self.merge_size
         if self.do_resize:
+            if self.resample != _BICUBIC:
+                # Refused when used, not when loaded: the processor of a model that takes no video still loads.
+                raise ValueError(f"video processor: resample={self.resample} (only bicubic, 3, is implemented)")
             max_pixels = int(bounds["longest_edge"])
             if cap:
                 # qwen-vl-utils' bound on a whole video: each frame gets at most an even share of
