@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import warnings
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,16 @@ def image_part(data: bytes) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
 
 
+@dataclass(frozen=True)
+class VideoInput:
+    """A video as the whole model gets it: its frames (all of them, as sampled), their rate, and its audio
+    track (16 kHz mono) to interleave with them (``use_audio_in_video``) or None."""
+
+    frames: np.ndarray
+    fps: float
+    audio: np.ndarray | None = None
+
+
 def whole_generate(
     whole: Whole,
     content: Sequence[dict[str, Any]],
@@ -67,63 +79,98 @@ def whole_generate(
     seed: int,
     threads: int | None = None,
     speech: bool = True,
+    video: VideoInput | None = None,
 ) -> tuple[str, bytes | None]:
     """The whole model's text and WAV (``speech=False``: text only, no WAV) for one user message of OpenAI
-    ``content`` parts, its media decoded as a client library would (libsndfile, Pillow) and fed through
-    the checkpoint's processor in Hugging Face's own chat format."""
+    ``content`` parts, its media decoded as a client library would (libsndfile, Pillow; the frames of a
+    ``video_url`` part are ``video``'s) and fed through the checkpoint's processor in Hugging Face's own
+    chat format."""
     import soundfile
     import torch
     from PIL import Image
 
-    from omnimodel_runtime.engines.omni.inputs import load_processor
+    from omnimodel_runtime.engines.omni.inputs import audio_in_video_kwargs, load_processor
 
     if threads is not None:
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return whole_generate(whole, content, speaker=speaker, max_tokens=max_tokens, seed=seed, speech=speech)
+            return whole_generate(
+                whole, content, speaker=speaker, max_tokens=max_tokens, seed=seed, speech=speech, video=video
+            )
         finally:
             torch.set_num_threads(previous)
     processor = load_processor(whole.model_dir)
     parts: list[dict[str, Any]] = []
     audio: list[np.ndarray] = []
+    sources: list[int | None] = []  # per audio input: None, or 0 for the video's track
     images: list[Any] = []
     for part in content:
         if part["type"] == "input_audio":
             samples, rate = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
             assert rate == processor.feature_extractor.sampling_rate
             audio.append(samples)
+            sources.append(None)
             parts.append({"type": "audio", "audio": samples})
         elif part["type"] == "image_url":
             data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
             images.append(Image.open(io.BytesIO(data)).convert("RGB"))
             parts.append({"type": "image", "image": images[-1]})
+        elif part["type"] == "video_url":
+            assert video is not None
+            if video.audio is not None:
+                audio.append(video.audio)  # in the video's place: the processor reads them in text order
+                sources.append(0)
+            parts.append({"type": "video", "video": "frames"})
         else:
             parts.append(part)
     text = processor.apply_chat_template(
         [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
     )
-    inputs = processor(text=[text], audio=audio or None, images=images or None, return_tensors="pt")
+    with_audio = video is not None and video.audio is not None
+    videos: dict[str, Any] = {}
+    if video is not None:
+        videos = {"videos": [video.frames], "fps": video.fps, "cap_pixels_per_frame": True}
+        if with_audio:
+            # The argument's name and form depend on the transformers release.
+            videos.update(audio_in_video_kwargs(processor, sources))
+    with warnings.catch_warnings():
+        # transformers 5.19 interleaves a video's audio with np.arange(a torch scalar), which numpy 2
+        # reports as deprecated; the stage under test runs the same line.
+        warnings.filterwarnings("ignore", "__array__ implementation", DeprecationWarning)
+        inputs = processor(
+            text=[text],
+            audio=audio or None,
+            images=images or None,
+            return_tensors="pt",
+            **videos,
+        )
     talker = whole.model.talker
     generation = json.loads((whole.model_dir / "omni_generation_config.json").read_text())["talker"]
     torch.manual_seed(seed)
     if not speech:
         sequences = whole.model.generate(
-            **inputs, thinker_max_new_tokens=max_tokens, thinker_do_sample=False, generation_mode="text"
+            **inputs,
+            use_audio_in_video=with_audio,
+            thinker_max_new_tokens=max_tokens,
+            thinker_do_sample=False,
+            generation_mode="text",
         )
         return whole.tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True), None
-    # transformers 5.19's whole generate() hands the image's pixel_values to the talker too, whose
-    # generate() refuses them ("model_kwargs are not used"): the talker reads only the image grid.
+    # transformers 5.19's whole generate() hands the image's and video's pixels to the talker too, whose
+    # generate() refuses them ("model_kwargs are not used"): the talker reads only their grids.
     talker_generate = talker.generate
 
     def without_pixels(*args: Any, **kwargs: Any) -> Any:
         kwargs.pop("pixel_values", None)
+        kwargs.pop("pixel_values_videos", None)
         return talker_generate(*args, **kwargs)
 
     talker.generate = without_pixels
     try:
         sequences, waveform = whole.model.generate(
             **inputs,
+            use_audio_in_video=with_audio,
             speaker=speaker,
             thinker_max_new_tokens=max_tokens,
             thinker_do_sample=False,

@@ -1,7 +1,8 @@
 """Content parts of chat messages through the API, on every preset that serves chat, with fake stage
-engines: what each model takes (text everywhere; audio and images on the omni thinkers), a 400 naming the
-part for anything else, and the media reaching the entry stage as request tensors (in process and in the
-request frame of the stage protocol). The real thinker on these inputs: tests/component."""
+engines: what each model takes (text everywhere; audio and images on the omni thinkers, video on
+Qwen2.5-Omni's), a 400 naming the part for anything else, and the media reaching the entry stage as request
+tensors (in process and in the request frame of the stage protocol). The real thinkers on these inputs:
+tests/component."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ CHAT_PRESETS = sorted(
 )
 WAV = b"RIFF....WAVEfmt fake bytes: the gateway does not decode them"
 PNG = b"\x89PNG\r\n\x1a\nfake"
+MP4 = b"\x00\x00\x00\x18ftypmp42 fake"
 # The presets whose thinker takes audio and images.
 OMNI: Final = ["qwen2.5-omni", "qwen3-omni"]
 
@@ -37,6 +39,11 @@ def audio_part(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
 
 def image_part(url: str | None = None) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url or "data:image/png;base64," + base64.b64encode(PNG).decode()}}
+
+
+def video_part(url: str | None = None, **extra: Any) -> dict[str, Any]:
+    url = url or "data:video/mp4;base64," + base64.b64encode(MP4).decode()
+    return {"type": "video_url", "video_url": {"url": url, **extra}}
 
 
 def text_part(text: str = "What is this?") -> dict[str, Any]:
@@ -60,7 +67,7 @@ def test_every_preset_that_serves_chat_is_covered() -> None:
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
     ("input_audio", audio_part(), set(OMNI)),
     ("image_url", image_part(), set(OMNI)),
-    ("video_url", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, set()),
+    ("video_url", video_part(), {"qwen2.5-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
     ("file", {"type": "file", "file": {"file_id": "f"}}, set()),
     ("refusal", {"type": "refusal", "refusal": "no"}, set()),
@@ -114,6 +121,35 @@ async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_reques
     assert all(v.dtype == np.uint8 for v in inp.tensors.values())
 
 
+async def test_a_video_part_is_a_video_placeholder_with_its_frames_and_audio_wish() -> None:
+    """vLLM-Omni's shape: ``video_url`` with an optional ``num_frames``, and ``mm_processor_kwargs.
+    use_audio_in_video`` for the whole request (each video's MediaInput carries it to the thinker)."""
+    fake = serve("qwen2.5-omni")
+    messages = [{"role": "user", "content": [video_part(num_frames=8), text_part(), audio_part()]}]
+    resp = await post(fake, messages, mm_processor_kwargs={"use_audio_in_video": True})
+    assert resp.status_code == 200, resp.text
+    (inp,) = fake.engine.requests
+    assert inp.request.messages == ({"role": "user", "content": [{"type": "video"}, text_part(), {"type": "audio"}]},)
+    assert inp.request.media == (
+        MediaInput(
+            kind="video",
+            tensor="media.0",
+            format="video/mp4",
+            param="messages[0].content[0]",
+            num_frames=8,
+            use_audio=True,
+        ),
+        MediaInput(kind="audio", tensor="media.1", format="wav", param="messages[0].content[2]"),
+    )
+    assert inp.tensors["media.0"].tobytes() == MP4
+    # Without the flag the video comes alone; another processor argument is refused, not ignored.
+    await post(fake, [{"role": "user", "content": [video_part()]}])
+    assert fake.engine.requests[-1].request.media[0].use_audio is False
+    resp = await post(fake, [{"role": "user", "content": [video_part()]}], mm_processor_kwargs={"fps": 4})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "mm_processor_kwargs.fps"
+
+
 @pytest.mark.parametrize("preset", OMNI)
 async def test_voice_chat_sends_the_media_to_the_entry_stage_only(preset: str) -> None:
     fake = serve(preset)
@@ -152,10 +188,15 @@ def test_media_travel_in_the_request_frame() -> None:
         (image_part("ftp://example.com/cat.png"), "data: URL or an http(s) URL"),
         (image_part("https://example.com/cat.png"), "does not fetch remote images"),
         ({"type": "image_url"}, "needs image_url.url"),
+        (video_part("data:image/png;base64,AAAA"), "not a video"),
+        (video_part("https://example.com/cat.mp4"), "does not fetch remote videos"),
+        (video_part(num_frames=0), "video_url.num_frames"),
+        ({"type": "video_url"}, "needs video_url.url"),
     ],
     ids=[
         *("empty", "not-object", "url-not-object", "bad-base64", "no-payload"),
         *("not-image", "not-base64", "scheme", "remote", "no-url"),
+        *("not-video", "remote-video", "no-frames", "no-video-url"),
     ],
 )
 async def test_a_broken_media_part_is_a_400_naming_it(part: dict[str, Any], message: str) -> None:

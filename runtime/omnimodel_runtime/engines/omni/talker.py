@@ -41,6 +41,9 @@ from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
+    USE_AUDIO_IN_VIDEO,
+    VIDEO_GRID,
+    VIDEO_SECONDS,
     RngTurn,
     generation_overrides,
     load_config,
@@ -182,11 +185,15 @@ class OmniTalkerEngine(OmniEngine):
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )
-        media = {
+        media: dict[str, Any] = {
             name: torch.from_numpy(np.array(prompt.tensors[name], dtype=np.int64)).to(self.device)
-            for name in (AUDIO_LENGTHS, IMAGE_GRID)
+            for name in (AUDIO_LENGTHS, IMAGE_GRID, VIDEO_GRID)
             if name in prompt.tensors
         }
+        if VIDEO_SECONDS in prompt.tensors:
+            seconds = np.array(prompt.tensors[VIDEO_SECONDS], dtype=np.float32)
+            media[VIDEO_SECONDS] = torch.from_numpy(seconds).to(self.device)
+        media[USE_AUDIO_IN_VIDEO] = bool(prompt.meta.get(USE_AUDIO_IN_VIDEO, False))
         return _Call(
             media=media,
             input_ids=input_ids,
@@ -214,7 +221,6 @@ class OmniTalkerEngine(OmniEngine):
                 attention_mask=torch.ones((1, call.prompt_len), dtype=torch.long, device=self.device),
                 suppress_tokens=[model.codec_bos_token],
                 pad_token_id=model.codec_pad_token,
-                use_audio_in_video=False,
                 stopping_criteria=StoppingCriteriaList([call.criterion]),
                 **call.media,
                 **{**call.generation, **extra},
@@ -395,8 +401,9 @@ class OmniTalkerEngine(OmniEngine):
 class _Call:
     """What ``generate()`` gets for one request, and what its decode steps continue from."""
 
-    # The prompt's audio feature lengths and image grids (its M-RoPE positions), when it has media.
-    media: dict[str, torch.Tensor]
+    # What the prompt's M-RoPE positions depend on: audio feature lengths, image and video grids, a
+    # video's seconds per temporal patch, whether its audio is interleaved (``use_audio_in_video``).
+    media: dict[str, Any]
     input_ids: torch.Tensor
     text_ids: torch.Tensor
     inputs_embeds: torch.Tensor

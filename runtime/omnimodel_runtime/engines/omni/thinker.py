@@ -50,6 +50,9 @@ from omnimodel_runtime.engines.omni.common import (
     IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
+    USE_AUDIO_IN_VIDEO,
+    VIDEO_GRID,
+    VIDEO_SECONDS,
     RngTurn,
     Speakers,
     load_config,
@@ -247,24 +250,24 @@ class OmniThinkerEngine(OmniEngine):
 
     async def admit(self, inp: StageInput, job: OmniJob) -> None:
         if inp.request.media:
-            # Decoding, resampling and feature extraction take a while (the released feature extractor
-            # pads every clip to 300 s): on a thread, not on the event loop.
+            # Decoding, resampling, feature extraction and frame resizing take a while (the released
+            # feature extractor pads every clip to 300 s): on a thread, not on the event loop.
             job.data["media"] = await asyncio.to_thread(self._media_prompt, inp)
         self.prepare(inp, job)
 
     def _media_prompt(self, inp: StageInput) -> dict[str, Any]:
-        """The prompt of a request with audio or images: its token ids (each placeholder expanded to one
-        token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
+        """The prompt of a request with audio, images or video: its token ids (each placeholder expanded
+        to one token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
         request = inp.request
         if self._processor is None:
             raise StageError(
-                "this checkpoint ships no processor config (preprocessor_config.json): audio and image "
-                "input are not available",
+                "this checkpoint ships no processor config (preprocessor_config.json): audio, image and "
+                "video input are not available",
                 status=400,
                 param=request.media[0].param,
             )
         rate = int(self._processor.feature_extractor.sampling_rate)
-        decoded = decode(request, inp.tensors, rate)
+        decoded = decode(request, inp.tensors, rate, self._processor.video_processor)
         with self._processor_lock:
             try:
                 text = self._processor.tokenizer.apply_chat_template(
@@ -276,7 +279,7 @@ class OmniThinkerEngine(OmniEngine):
         prompt_ids: list[int] = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask", None)
         check_token_ids(prompt_ids, self._vocab)
-        return {"prompt_ids": prompt_ids, "inputs": inputs}
+        return {"prompt_ids": prompt_ids, "inputs": inputs, USE_AUDIO_IN_VIDEO: decoded.use_audio_in_video}
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
@@ -354,12 +357,14 @@ class OmniThinkerEngine(OmniEngine):
         if reply is not None:
             kwargs["logits_processor"] = LogitsProcessorList([_Force(reply, len(prompt_ids))])
         kwargs.update(self._media_kwargs(job))
+        media = job.data.get("media")
         try:
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                # The whole model passes this to every part; it only matters for video input.
-                use_audio_in_video=False,
+                # The whole model passes this to every part: a video's audio interleaved with its frames
+                # shifts the M-RoPE positions of both.
+                use_audio_in_video=bool(media and media[USE_AUDIO_IN_VIDEO]),
                 stopping_criteria=StoppingCriteriaList([criterion]),
                 **kwargs,
             )
@@ -371,14 +376,17 @@ class OmniThinkerEngine(OmniEngine):
         return out, criterion, turn
 
     def _media_kwargs(self, job: OmniJob) -> dict[str, torch.Tensor]:
-        """The encoders' inputs of a request with media (features and pixels in the model's dtype)."""
+        """The encoders' inputs of a request with media (features and pixels in the model's dtype; a
+        video's seconds per temporal patch as the processor gave them, as the whole model takes them: they
+        scale M-RoPE time positions, which bfloat16 would round)."""
         media = job.data.get("media")
         if media is None:
             return {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in media["inputs"].items():
             moved = tensor.to(self.device)
-            out[name] = moved.to(self.dtype) if moved.is_floating_point() else moved
+            cast = moved.is_floating_point() and name != VIDEO_SECONDS
+            out[name] = moved.to(self.dtype) if cast else moved
         return out
 
     def run(self, job: OmniJob) -> None:
@@ -565,15 +573,18 @@ class OmniThinkerEngine(OmniEngine):
 
 def talker_media(media: dict[str, Any] | None) -> dict[str, np.ndarray]:
     """What the talker's M-RoPE needs of a request's media (the whole model passes it the same): each
-    audio's feature length and each image's patch grid."""
+    audio's feature length, each image's and video's patch grid, each video's seconds per temporal patch."""
     if media is None:
         return {}
     inputs: dict[str, torch.Tensor] = media["inputs"]
     out: dict[str, np.ndarray] = {}
     if "feature_attention_mask" in inputs:
         out[AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=-1).to(torch.int64).numpy()
-    if "image_grid_thw" in inputs:
-        out[IMAGE_GRID] = inputs["image_grid_thw"].to(torch.int64).numpy()
+    for grid in (IMAGE_GRID, VIDEO_GRID):
+        if grid in inputs:
+            out[grid] = inputs[grid].to(torch.int64).numpy()
+    if VIDEO_SECONDS in inputs:
+        out[VIDEO_SECONDS] = inputs[VIDEO_SECONDS].to(torch.float32).numpy()
     return out
 
 
@@ -686,8 +697,12 @@ class _RowHook:
                 "prompt_ids": np.array(data["prompt_ids"], dtype=np.int64),
                 "special_rows": special,
             }
-            tensors.update(talker_media(data.get("media")))
-            meta = {self.engine.speaker_meta: data["speaker_bos"]}
+            media = data.get("media")
+            tensors.update(talker_media(media))
+            meta = {
+                self.engine.speaker_meta: data["speaker_bos"],
+                USE_AUDIO_IN_VIDEO: bool(media and media.get(USE_AUDIO_IN_VIDEO)),
+            }
             self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, **meta))
             return
         # A decode step's input is the token sampled last; its row is what talker step t needs.
