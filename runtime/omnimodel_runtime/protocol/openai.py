@@ -172,8 +172,9 @@ class _SamplingFields(OpenAIRequestBody):
 # The media content parts a user message may carry (serving.media says which a model takes).
 INPUT_AUDIO_PART: Final = "input_audio"
 IMAGE_URL_PART: Final = "image_url"
-# Not OpenAI's: vLLM's and vLLM-Omni's (their Qwen2.5-Omni clients send it).
+# Not OpenAI's: vLLM's and vLLM-Omni's (their Qwen2.5-Omni and Qwen3-Omni clients send them).
 VIDEO_URL_PART: Final = "video_url"
+AUDIO_URL_PART: Final = "audio_url"
 TEXT_PART: Final = "text"
 
 
@@ -190,6 +191,14 @@ class ImageURLParam(OpenAIRequestModel):
 
     url: Annotated[str, Field(min_length=1)]
     detail: Literal["auto", "low", "high"] | None = None
+
+
+class AudioURLParam(OpenAIRequestModel):
+    """``audio_url`` of an ``audio_url`` part (vLLM's): a ``data:audio/...;base64,`` URL of a whole audio
+    file (what libsndfile reads: wav, flac, mp3, ogg), or an http(s) URL the gateway fetches only when
+    allowed to (``OMNIMODEL_MEDIA_FETCH``)."""
+
+    url: Annotated[str, Field(min_length=1)]
 
 
 class VideoURLParam(OpenAIRequestModel):
@@ -212,8 +221,9 @@ class MMProcessorKwargs(OpenAIRequestModel):
 
 
 class ContentPart(OpenAIRequestModel):
-    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`), ``image_url``
-    (:class:`ImageURLParam`) or ``video_url`` (:class:`VideoURLParam`). Any other type is kept
+    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`), ``audio_url``
+    (:class:`AudioURLParam`), ``image_url`` (:class:`ImageURLParam`) or ``video_url``
+    (:class:`VideoURLParam`). Any other type is kept
     (``extra="allow"``), and the media payloads are
     validated by the serving layer (``serving.media``), so that every problem with a part is a 400 whose
     ``param`` names the part (``messages[0].content[1]``): inside ``content``'s union a schema error
@@ -224,6 +234,7 @@ class ContentPart(OpenAIRequestModel):
     type: str
     text: str | None = None
     input_audio: Any = None
+    audio_url: Any = None
     image_url: Any = None
     video_url: Any = None
 

@@ -1,15 +1,16 @@
 """Chat content parts → what the entry stage gets: messages with placeholders, media refs, media bytes.
 
 Which parts a model takes is its entry stage's (``Pipeline.input_modalities``): ``text`` everywhere,
-``input_audio`` and ``image_url`` where the entry stage takes audio and images (the Qwen2.5-Omni and
-Qwen3-Omni thinkers), and ``video_url`` (vLLM's part) where it takes video (the Qwen2.5-Omni thinker).
+``input_audio`` (or vLLM's ``audio_url``, a data URL of the file) and ``image_url`` where the entry stage
+takes audio and images (the Qwen2.5-Omni and Qwen3-Omni thinkers), and ``video_url`` (vLLM's part) where
+it takes video (the Qwen2.5-Omni thinker).
 Every other part, and a media part the model cannot take, is a 400 naming the part
 (``messages[0].content[1]``): never dropped in silence.
 
 Media are checked and base64-decoded here (a broken data URL is a 400 before any stage is asked) but not
 decoded further: the bytes of the file travel to the entry stage as a uint8 tensor of the request
 (:class:`~omnimodel_runtime.protocol.stage.MediaInput`), where the engine decodes, resamples and encodes
-them with the model's own processor. An ``image_url`` or ``video_url`` that is not a data URL is fetched
+them with the model's own processor. An ``audio_url``, ``image_url`` or ``video_url`` that is not a data URL is fetched
 only when ``OMNIMODEL_MEDIA_FETCH`` allows it (off by default: a gateway fetching any URL a client names is a
 server-side request forgery waiting to happen).
 """
@@ -29,10 +30,12 @@ from pydantic import BaseModel, ValidationError
 
 from omnimodel_runtime.pipeline import InputModality
 from omnimodel_runtime.protocol.openai import (
+    AUDIO_URL_PART,
     IMAGE_URL_PART,
     INPUT_AUDIO_PART,
     TEXT_PART,
     VIDEO_URL_PART,
+    AudioURLParam,
     ChatMessageParam,
     ContentPart,
     ImageURLParam,
@@ -51,6 +54,7 @@ PLACEHOLDER: Final[Mapping[InputModality, Literal["audio", "image", "video"]]] =
 }
 _PART_MODALITY: Final = {
     INPUT_AUDIO_PART: InputModality.AUDIO,
+    AUDIO_URL_PART: InputModality.AUDIO,
     IMAGE_URL_PART: InputModality.IMAGE,
     VIDEO_URL_PART: InputModality.VIDEO,
 }
@@ -58,6 +62,7 @@ _DATA_URL: Final = re.compile(
     r"data:(?P<mime>[\w.+-]+/[\w.+-]+)(?P<params>(?:;[^;,]*)*?);base64,(?P<data>.*)", re.DOTALL
 )
 FETCH_TIMEOUT_S: Final = 10.0
+_PLURAL: Final = {"image": "images", "video": "videos", "audio": "audio files"}
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,11 @@ class ChatContent:
     messages: tuple[dict[str, Any], ...]
     media: tuple[MediaInput, ...] = ()
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
-    # Remote images and videos still to fetch: (tensor name, URL, param, what it is).
+    # Remote media still to fetch: (tensor name, URL, param, what it is).
     remote: list[tuple[str, str, str, str]] = field(default_factory=list)
 
     async def fetch(self, policy: MediaPolicy) -> None:
-        """Fetch the remote images and videos (only ever present when ``policy.fetch``)."""
+        """Fetch the remote media (only ever present when ``policy.fetch``)."""
         if not self.remote:
             return
         async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=False) as client:
@@ -185,7 +190,7 @@ def _video_url(part: ContentPart, param: str) -> VideoURLParam:
 
 
 def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, bytes | None, str | None]:
-    """``(format, bytes, None)`` for inline media, ``(format, None, url)`` for an image or video to fetch."""
+    """``(format, bytes, None)`` for inline media, ``(format, None, url)`` for a file to fetch."""
     if part.type == INPUT_AUDIO_PART:
         if part.input_audio is None:
             raise APIError(f"{param}: an input_audio part needs input_audio.data and input_audio.format", param=param)
@@ -193,6 +198,11 @@ def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, b
         return audio.format, _b64(audio.data, param), None
     if part.type == VIDEO_URL_PART:
         noun, url, example = "video", _video_url(part, param).url, "data:video/mp4;base64,..."
+    elif part.type == AUDIO_URL_PART:
+        if part.audio_url is None:
+            raise APIError(f"{param}: an audio_url part needs audio_url.url", param=param)
+        noun, url = "audio", _validated(AudioURLParam, part.audio_url, f"{param}.audio_url").url
+        example = "data:audio/wav;base64,..."
     else:
         if part.image_url is None:
             raise APIError(f"{param}: an image_url part needs image_url.url", param=param)
@@ -202,8 +212,8 @@ def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, b
     if match is not None:
         mime = match["mime"].lower()
         if not mime.startswith(f"{noun}/"):
-            article = "an" if noun == "image" else "a"
-            raise APIError(f"{param}: the data URL holds {mime!r}, not {article} {noun}", param=param)
+            what = {"image": "an image", "video": "a video", "audio": "an audio file"}[noun]
+            raise APIError(f"{param}: the data URL holds {mime!r}, not {what}", param=param)
         return mime, _b64(match["data"], param), None
     if url.startswith("data:"):
         raise APIError(f"{param}: only base64 data URLs are accepted ({example})", param=param)
@@ -211,7 +221,7 @@ def _payload(part: ContentPart, param: str, policy: MediaPolicy) -> tuple[str, b
         raise APIError(f"{param}: {part.type}.url must be a data: URL or an http(s) URL", param=param)
     if not policy.fetch:
         raise APIError(
-            f"{param}: this server does not fetch remote {noun}s (send the {noun} as a data: URL; "
+            f"{param}: this server does not fetch remote {_PLURAL[noun]} (send the {noun} as a data: URL; "
             "an operator can allow fetching with OMNIMODEL_MEDIA_FETCH=true)",
             param=param,
         )

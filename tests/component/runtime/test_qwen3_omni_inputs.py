@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import wave
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -249,3 +250,66 @@ async def test_a_part_it_cannot_take_is_a_400_naming_the_part(
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "messages[0].content[1]"
     assert what in resp.json()["error"]["message"]
+
+
+# What vLLM-Omni's examples/online_serving/qwen3_omni/openai_chat_completion_client_for_multimodal_generation.py
+# sends for `--query-type use_audio` (its system prompt as a content list, the audio as vLLM's `audio_url`
+# data URL, per-stage sampling in extra_body, modalities left out).
+VLLM_OMNI_SYSTEM = {
+    "role": "system",
+    "content": [
+        {
+            "type": "text",
+            "text": "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+            "auditory and visual inputs, as well as generating text and speech.",
+        }
+    ],
+}
+VLLM_OMNI_SAMPLING = [
+    {"temperature": 0.4, "top_p": 0.9, "top_k": 1, "max_tokens": 16384, "repetition_penalty": 1.05,
+     "stop_token_ids": [151645], "seed": 42},
+    {"temperature": 0.9, "top_k": 50, "max_tokens": 4096, "seed": 42, "detokenize": False,
+     "repetition_penalty": 1.05, "stop_token_ids": [2150]},
+    {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "seed": 42, "detokenize": True,
+     "repetition_penalty": 1.1},
+]  # fmt: skip
+
+
+async def test_vllm_omnis_qwen3_omni_client_gets_text_and_audio_for_its_audio_url(
+    tiny: Path, model_cache: Path, serve: httpx.AsyncClient
+) -> None:
+    """Its body unchanged, on a server set up as docs/vllm-omni-compat.md says for its clients (chat
+    answers text and audio when ``modalities`` is left out): the answer has text and a WAV, and the thinker
+    read the audio exactly as an ``input_audio`` part of the same file (the same prompt tokens, more than
+    without it)."""
+    wav = wav_file(2)
+    audio_url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(wav).decode()}}
+    question = {"type": "text", "text": "What is the content of this audio?"}
+    settings = RuntimeSettings(model_cache=model_cache, device="cpu", chat_default_modalities=["text", "audio"])
+    app = build_serve_app(settings, serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"))
+    async with app.router.lifespan_context(app):
+        await app.state.startup.wait()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as http:
+            reply = await client(http).chat.completions.create(
+                messages=[VLLM_OMNI_SYSTEM, {"role": "user", "content": [audio_url, question]}],  # type: ignore[list-item]
+                model=MODEL,
+                modalities=None,
+                max_tokens=8,  # the client asks for none (16384 in its per-stage list): the tiny model rambles
+                extra_body={"sampling_params_list": VLLM_OMNI_SAMPLING},
+            )
+    (choice,) = reply.choices
+    assert choice.message.content
+    assert choice.message.audio is not None
+    with wave.open(io.BytesIO(base64.b64decode(choice.message.audio.data))) as w:
+        assert (w.getnchannels(), w.getframerate()) == (1, 24000)
+        assert w.getnframes() > 0
+
+    async def tokens(content: list[dict[str, Any]]) -> int:
+        body = {"model": MODEL, "messages": [VLLM_OMNI_SYSTEM, {"role": "user", "content": content}], "max_tokens": 1}
+        resp = await serve.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["prompt_tokens"])
+
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == await tokens([audio_part(wav), question]) > await tokens([question])

@@ -37,6 +37,11 @@ def audio_part(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
 
 
+def audio_url_part(url: str | None = None) -> dict[str, Any]:
+    """vLLM's ``audio_url`` part (what vLLM-Omni's Qwen-Omni clients send for audio)."""
+    return {"type": "audio_url", "audio_url": {"url": url or "data:audio/wav;base64," + base64.b64encode(WAV).decode()}}
+
+
 def image_part(url: str | None = None) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url or "data:image/png;base64," + base64.b64encode(PNG).decode()}}
 
@@ -66,6 +71,7 @@ def test_every_preset_that_serves_chat_is_covered() -> None:
 
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
     ("input_audio", audio_part(), set(OMNI)),
+    ("audio_url", audio_url_part(), set(OMNI)),
     ("image_url", image_part(), set(OMNI)),
     ("video_url", video_part(), {"qwen2.5-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
@@ -119,6 +125,24 @@ async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_reques
     )
     assert {k: v.tobytes() for k, v in inp.tensors.items()} == {"media.0": WAV, "media.1": PNG, "media.2": b"second"}
     assert all(v.dtype == np.uint8 for v in inp.tensors.values())
+
+
+@pytest.mark.parametrize("preset", OMNI)
+async def test_an_audio_url_part_is_the_same_audio_input_as_input_audio(preset: str) -> None:
+    """vLLM's ``audio_url`` with a data URL: the same placeholder and bytes as ``input_audio``; the
+    format is the data URL's type (the thinker's decoder reads the container from the bytes)."""
+    fake = serve(preset)
+    flac = "data:audio/flac;base64," + base64.b64encode(b"second").decode()
+    messages = [{"role": "user", "content": [audio_url_part(), text_part(), audio_url_part(flac)]}]
+    resp = await post(fake, messages)
+    assert resp.status_code == 200, resp.text
+    (inp,) = fake.engine.requests
+    assert inp.request.messages == ({"role": "user", "content": [{"type": "audio"}, text_part(), {"type": "audio"}]},)
+    assert inp.request.media == (
+        MediaInput(kind="audio", tensor="media.0", format="audio/wav", param="messages[0].content[0]"),
+        MediaInput(kind="audio", tensor="media.1", format="audio/flac", param="messages[0].content[2]"),
+    )
+    assert {k: v.tobytes() for k, v in inp.tensors.items()} == {"media.0": WAV, "media.1": b"second"}
 
 
 async def test_a_video_part_is_a_video_placeholder_with_its_frames_and_audio_wish() -> None:
@@ -192,11 +216,16 @@ def test_media_travel_in_the_request_frame() -> None:
         (video_part("https://example.com/cat.mp4"), "does not fetch remote videos"),
         (video_part(num_frames=0), "video_url.num_frames"),
         ({"type": "video_url"}, "needs video_url.url"),
+        (audio_url_part("data:image/png;base64,AAAA"), "not an audio file"),
+        (audio_url_part("https://example.com/a.wav"), "does not fetch remote audio files"),
+        ({"type": "audio_url"}, "needs audio_url.url"),
+        ({"type": "audio_url", "audio_url": "data:audio/wav;base64,AAAA"}, "audio_url: Input should be"),
     ],
     ids=[
         *("empty", "not-object", "url-not-object", "bad-base64", "no-payload"),
         *("not-image", "not-base64", "scheme", "remote", "no-url"),
         *("not-video", "remote-video", "no-frames", "no-video-url"),
+        *("not-audio", "remote-audio", "no-audio-url", "audio-url-not-object"),
     ],
 )
 async def test_a_broken_media_part_is_a_400_naming_it(part: dict[str, Any], message: str) -> None:
