@@ -271,7 +271,8 @@ PRESETS: Final[Mapping[str, Preset]] = {
                 )
             ),
             modalities=(Modality.IMAGE,),
-            routes=(Route.IMAGE_EDITS,),
+            # Chat too: vLLM-Omni's image-edit client sends the image as an image_url part.
+            routes=(Route.IMAGE_EDITS, Route.CHAT),
         ),
         Preset(
             name="tts",

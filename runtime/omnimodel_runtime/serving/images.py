@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.pipeline import Modality, Pipeline
+from omnimodel_runtime.pipeline import InputModality, Modality, Pipeline, Route
 from omnimodel_runtime.protocol.images import (
     IMAGES_TENSOR,
     MAX_SOURCE_SIDE,
@@ -49,7 +49,7 @@ from omnimodel_runtime.protocol.stage import FinalFrame, MediaInput, StageParams
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.image_files import image_info
-from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, check_text_only
+from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, chat_content, check_text_only
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.sse import DONE, sse
 
@@ -201,23 +201,7 @@ class ImageService(Service):
             raise APIError("image: an edit needs an input image (a PNG, JPEG or WebP file)", param="image")
         if len(images) > 1:
             raise APIError(f"image: this model edits one image per request (got {len(images)})", param="image")
-        data = images[0]
-        if len(data) > self.media.max_bytes:
-            raise APIError(f"image: the file is larger than {self.media.max_bytes} bytes", param="image")
-        info = image_info(data)
-        if info is None:
-            raise APIError("image: the file is not a PNG, JPEG or WebP image", param="image")
-        mime, width, height = info
-        if not (1 <= width <= MAX_SOURCE_SIDE and 1 <= height <= MAX_SOURCE_SIDE):
-            raise APIError(
-                f"image: the image is {width}x{height} pixels; each side must be between 1 and {MAX_SOURCE_SIDE}",
-                param="image",
-            )
-        edit = ImageEditParams(source_width=width, source_height=height)
-        media = (MediaInput(kind="image", tensor=EDIT_IMAGE_TENSOR, format=mime, param="image"),)
-        request = self.stage_request(req.prompt, req.params(), self.request_id(), edit=edit, media=media)
-        tensors = {EDIT_IMAGE_TENSOR: np.frombuffer(data, dtype=np.uint8)}
-        generated = await self.generate(request, req.n, tensors)
+        generated = await self._edit(req.prompt, req.params(), req.n, images[0], param="image")
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         out_height, out_width = generated.images[0].shape[:2]
         return ImagesResponse(
@@ -225,11 +209,52 @@ class ImageService(Service):
             size=f"{out_width}x{out_height}",
         )
 
+    async def _edit(self, prompt: str, params: TextToImageParams, n: int, data: bytes, *, param: str) -> Generated:
+        """Edit the image file ``data`` (checked from its header; errors name ``param``) by ``prompt``."""
+        if len(data) > self.media.max_bytes:
+            raise APIError(f"{param}: the file is larger than {self.media.max_bytes} bytes", param=param)
+        info = image_info(data)
+        if info is None:
+            raise APIError(f"{param}: the file is not a PNG, JPEG or WebP image", param=param)
+        mime, width, height = info
+        if not (1 <= width <= MAX_SOURCE_SIDE and 1 <= height <= MAX_SOURCE_SIDE):
+            raise APIError(
+                f"{param}: the image is {width}x{height} pixels; each side must be between 1 and {MAX_SOURCE_SIDE}",
+                param=param,
+            )
+        edit = ImageEditParams(source_width=width, source_height=height)
+        media = (MediaInput(kind="image", tensor=EDIT_IMAGE_TENSOR, format=mime, param=param),)
+        request = self.stage_request(prompt, params, self.request_id(), edit=edit, media=media)
+        return await self.generate(request, n, {EDIT_IMAGE_TENSOR: np.frombuffer(data, dtype=np.uint8)})
+
+    async def _chat_edit_image(self, messages: Sequence[ChatMessageParam]) -> tuple[bytes, str]:
+        """The one input image of an edit asked for in chat (vLLM-Omni's image-edit client sends it as an
+        ``image_url`` part beside the prompt's text) and the name of its part."""
+        content = chat_content(
+            messages, accepts=(InputModality.TEXT, InputModality.IMAGE), model=self.model_name, policy=self.media
+        )
+        await content.fetch(self.media)
+        if not content.media:
+            raise APIError(
+                "messages: an edit needs an input image: an image_url part (a data URL) in the user message",
+                param="messages",
+            )
+        if len(content.media) > 1:
+            extra = content.media[1].param
+            raise APIError(f"{extra}: this model edits one image per request (got {len(content.media)})", param=extra)
+        image = content.media[0]
+        return content.tensors[image.tensor].tobytes(), image.param
+
     async def chat(self, req: ImageChatCompletionRequest) -> ImageChatCompletionResponse:
-        """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts."""
+        """``POST /v1/chat/completions`` on an image pipeline: the images as data-URL content parts. On an edit
+        pipeline the user message carries the image to edit as an ``image_url`` part (vLLM-Omni's way)."""
         self.check_model(req.model)
-        # Text to image reads the text of the messages only: any other part is refused, not dropped.
-        check_text_only(req.messages, model=self.model_name)
+        edit_image: tuple[bytes, str] | None = None
+        if Route.IMAGE_EDITS in self.orchestrator.pipeline.routes:
+            edit_image = await self._chat_edit_image(req.messages)
+        else:
+            # Text to image reads the text of the messages only: any other part is refused, not dropped.
+            check_text_only(req.messages, model=self.model_name)
         if req.stream:
             raise APIError("streaming is not supported when the answer is an image; send stream=false", param="stream")
         if req.modalities is not None and "image" not in req.modalities:
@@ -240,7 +265,11 @@ class ImageService(Service):
         if not prompt.strip():
             raise APIError("the last user message has no text to draw", param="messages")
         request_id = self.request_id()
-        generated = await self.generate(self.stage_request(prompt, req.params(), request_id), req.n)
+        if edit_image is not None:
+            data, param = edit_image
+            generated = await self._edit(prompt, req.params(), req.n, data, param=param)
+        else:
+            generated = await self.generate(self.stage_request(prompt, req.params(), request_id), req.n)
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         parts = [
             ImageContentPart(image_url=ImageURL(url="data:image/png;base64," + base64.b64encode(png).decode("ascii")))

@@ -66,13 +66,14 @@ async def post(fake: FakeServe, messages: list[dict[str, Any]], **extra: Any) ->
 
 
 def test_every_preset_that_serves_chat_is_covered() -> None:
-    assert CHAT_PRESETS == ["qwen2.5-omni", "qwen3-omni", "text", "text-to-image"]
+    assert CHAT_PRESETS == ["qwen-image-edit", "qwen2.5-omni", "qwen3-omni", "text", "text-to-image"]
 
 
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
     ("input_audio", audio_part(), set(OMNI)),
     ("audio_url", audio_url_part(), set(OMNI)),
-    ("image_url", image_part(), set(OMNI)),
+    # The image to edit, on the edit preset (test_image_edit_chat.py).
+    ("image_url", image_part(), {*OMNI, "qwen-image-edit"}),
     ("video_url", video_part(), {"qwen2.5-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
     ("file", {"type": "file", "file": {"file_id": "f"}}, set()),
