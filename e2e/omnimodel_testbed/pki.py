@@ -148,15 +148,18 @@ def _builder(
 
 
 def _issue(
+    key_path: Path,
+    cert_path: Path,
     *,
     subject: x509.Name,
-    key: ec.EllipticCurvePrivateKey,
     ca_cert: x509.Certificate,
     ca_key: ec.EllipticCurvePrivateKey,
     server_names: list[str] | None = None,
     server_ips: list[str] | None = None,
     client: bool = False,
-) -> x509.Certificate:
+) -> None:
+    """A new key, and a certificate for it that the CA signs, written to ``key_path`` and ``cert_path``."""
+    key = _new_key()
     usages = []
     if server_names or server_ips:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
@@ -174,10 +177,12 @@ def _issue(
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips or []]
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(ca_key, hashes.SHA256())
+    _write_key(key_path, key)
+    _write_cert(cert_path, builder.sign(ca_key, hashes.SHA256()))
 
 
-def _new_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def _new_ca(cn: str, key_path: Path, cert_path: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new self-signed CA named ``cn``, written to ``key_path`` and ``cert_path``; returns its key and cert."""
     key = _new_key()
     subject = _name(cn)
     cert = (
@@ -185,6 +190,8 @@ def _new_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
+    _write_key(key_path, key)
+    _write_cert(cert_path, cert)
     return key, cert
 
 
@@ -200,14 +207,12 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
     directory.mkdir(parents=True, exist_ok=True)
     pki = PKI.at(directory)
 
-    ca_key, ca_cert = _new_ca("omnimodel-testbed-ca")
-    _write_key(pki.ca_key, ca_key)
-    _write_cert(pki.ca_cert, ca_cert)
+    ca_key, ca_cert = _new_ca("omnimodel-testbed-ca", pki.ca_key, pki.ca_cert)
 
-    api_key = _new_key()
-    api_cert = _issue(
+    _issue(
+        pki.apiserver_key,
+        pki.apiserver_cert,
         subject=_name("kube-apiserver"),
-        key=api_key,
         ca_cert=ca_cert,
         ca_key=ca_key,
         server_names=[
@@ -219,19 +224,14 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
         ],
         server_ips=["127.0.0.1", service_ip],
     )
-    _write_key(pki.apiserver_key, api_key)
-    _write_cert(pki.apiserver_cert, api_cert)
-
-    admin_key = _new_key()
-    admin_cert = _issue(
+    _issue(
+        pki.admin_key,
+        pki.admin_cert,
         subject=_name("kubernetes-admin", "system:masters"),
-        key=admin_key,
         ca_cert=ca_cert,
         ca_key=ca_key,
         client=True,
     )
-    _write_key(pki.admin_key, admin_key)
-    _write_cert(pki.admin_cert, admin_cert)
 
     sa_key = _new_key()
     _write_key(pki.sa_key, sa_key)
@@ -243,17 +243,13 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
     # apiserver presents to aggregated APIs. Configuring it also stops the
     # controller-manager/scheduler logging "missing requestheader-client-ca-file"
     # several times a second.
-    fp_ca_key, fp_ca_cert = _new_ca("omnimodel-testbed-front-proxy-ca")
-    _write_key(pki.front_proxy_ca_key, fp_ca_key)
-    _write_cert(pki.front_proxy_ca_cert, fp_ca_cert)
-    fp_key = _new_key()
-    fp_cert = _issue(
+    fp_ca_key, fp_ca_cert = _new_ca("omnimodel-testbed-front-proxy-ca", pki.front_proxy_ca_key, pki.front_proxy_ca_cert)
+    _issue(
+        pki.front_proxy_client_key,
+        pki.front_proxy_client_cert,
         subject=_name(FRONT_PROXY_CLIENT),
-        key=fp_key,
         ca_cert=fp_ca_cert,
         ca_key=fp_ca_key,
         client=True,
     )
-    _write_key(pki.front_proxy_client_key, fp_key)
-    _write_cert(pki.front_proxy_client_cert, fp_cert)
     return pki
