@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from omni_helpers import Qwen25Whole
 
 # pytest runs with --import-mode=importlib, which puts no test directory on sys.path; the test modules
-# here share runtime_procs.py and omni_helpers.py (plain helpers, not fixtures), so this directory goes on
-# the path first.
+# here share runtime_procs.py, stage_engines.py and omni_helpers.py (plain helpers, not fixtures), so this
+# directory goes on the path first.
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -1,6 +1,6 @@
 """Helpers for runtime component tests: runtime processes on loopback ports, polled with deadlines; the
-``serve`` app in the test's own process and event loop (in memory, or over real TCP); the stage engines of
-a pipeline started in process; and what reads their answers (SSE chunks, WAV and PNG files).
+``serve`` app in the test's own process and event loop (in memory, or over real TCP); and what reads their
+answers (SSE chunks, WAV and PNG files). Stage engines without the app: stage_engines.py.
 
 A plain module (not conftest) so test files can import it by its unique name.
 """
@@ -17,7 +17,7 @@ import sys
 import wave
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,23 +28,17 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
-from omnimodel_testbed import procs
+from omnimodel_testbed.procs import free_port, poll, terminate
 
 if TYPE_CHECKING:
     from omnimodel_runtime.pipeline import Pipeline
-    from omnimodel_runtime.protocol.stage import StageRequest
-    from omnimodel_runtime.serving.orchestrator import Orchestrator
 
 T = TypeVar("T")
 
 
-def free_port() -> int:
-    return procs.free_port()
-
-
 def wait_for(predicate: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    return procs.poll(predicate, timeout=timeout, what=what, interval=interval)
+    return poll(predicate, timeout=timeout, what=what, interval=interval)
 
 
 @contextmanager
@@ -133,7 +127,7 @@ class RuntimeProcess:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL if it does not exit within ``timeout``."""
-        return None if self.proc is None else procs.terminate(self.proc, grace=timeout)
+        return None if self.proc is None else terminate(self.proc, grace=timeout)
 
 
 @contextmanager
@@ -299,91 +293,6 @@ async def hang_up_after_the_first_text(url: str, body: Mapping[str, Any]) -> Non
         async for line in resp.aiter_lines():
             if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
                 break  # leaving the stream unread closes its connection
-
-
-# ------------------------------------------------------------------ stage engines in this process
-
-
-@dataclass
-class Deployed:
-    """The stage engines of a pipeline, each started behind a local stage, and the orchestrator of them."""
-
-    orchestrator: Orchestrator
-    engines: dict[str, Any]
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
-@asynccontextmanager
-async def stages_in_process(
-    pipeline: Pipeline,
-    model_dir: Path,
-    *,
-    engine_class: type[Any] = object,
-    metrics: Callable[[], Any] | None = None,
-    **engine_args: Any,
-) -> AsyncIterator[Deployed]:
-    """Every stage's engine of ``pipeline`` on the CPU from ``model_dir`` (checked: an ``engine_class``),
-    each behind a local stage, started together and stopped on the way out. ``engine_args``, when given,
-    replace each stage's own; ``metrics`` makes each engine's metrics sink."""
-    from prometheus_client import CollectorRegistry
-
-    from omnimodel_runtime.engines.base import EngineContext
-    from omnimodel_runtime.engines.registry import create_engine
-    from omnimodel_runtime.metrics import StageMetricsFamily
-    from omnimodel_runtime.serving.orchestrator import Orchestrator
-    from omnimodel_runtime.settings import RuntimeSettings
-    from omnimodel_runtime.stage.handle import StageHandle
-    from omnimodel_runtime.stage.local import LocalStage
-
-    family = StageMetricsFamily(CollectorRegistry())
-    handles: dict[str, StageHandle] = {}
-    engines: dict[str, Any] = {}
-    sinks: dict[str, Any] = {}
-    for declared in pipeline.stages:
-        stage = declared.model_copy(update={"engine_args": engine_args}) if engine_args else declared
-        if metrics is not None:
-            sinks[stage.name] = metrics()
-        context = EngineContext(stage=stage, model_dir=model_dir, settings=RuntimeSettings(device="cpu"))
-        engine = create_engine(replace(context, metrics=sinks[stage.name]) if sinks else context)
-        assert isinstance(engine, engine_class)
-        engines[stage.name] = engine
-        handles[stage.name] = LocalStage(stage, engine, family.for_stage(stage.name))
-    await asyncio.gather(*(h.start() for h in handles.values()))
-    try:
-        yield Deployed(Orchestrator(pipeline, handles), engines, sinks)
-    finally:
-        await asyncio.gather(*(h.stop() for h in handles.values()))
-
-
-async def images_of(deployed: Deployed, request: StageRequest, **tensors: np.ndarray) -> np.ndarray:
-    """The one batch of images the chain of ``deployed`` answers ``request`` with (``tensors``: its inputs)."""
-    from omnimodel_runtime.pipeline import Modality
-    from omnimodel_runtime.protocol.images import IMAGES_TENSOR
-    from omnimodel_runtime.protocol.stage import TensorFrame
-
-    chain = deployed.orchestrator.generate_chain(request, [Modality.IMAGE], tensors=tensors or None)
-    (batch,) = [np.asarray(f.tensors[IMAGES_TENSOR]) async for _, f in chain if isinstance(f, TensorFrame)]
-    return batch
-
-
-def diffusers_pipeline(name: str, model_dir: Path, **kwargs: Any) -> Any:
-    """diffusers' own pipeline class ``name`` loaded from ``model_dir``, its progress bar off."""
-    import diffusers
-
-    pipe = getattr(diffusers, name).from_pretrained(model_dir, **kwargs)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def diffusers_images(pipe: Any, prompt: str, *, seed: int, steps: int, n: int = 1, **kwargs: Any) -> np.ndarray:
-    """diffusers itself: one call of ``pipe``, per-image generators seeded ``seed + i``, its images stacked."""
-    import torch
-
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
-    images = pipe(
-        prompt=prompt, num_images_per_prompt=n, num_inference_steps=steps, generator=generators, **kwargs
-    ).images
-    return np.stack([np.asarray(image) for image in images])
 
 
 # ------------------------------------------------------------------------- answers and media

@@ -19,15 +19,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from PIL import Image
-from runtime_procs import (
-    Deployed,
-    diffusers_images,
-    diffusers_pipeline,
-    images_of,
-    random_png,
-    stages_in_process,
-    torch_threads,
-)
+from runtime_procs import random_png, torch_threads
+from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor

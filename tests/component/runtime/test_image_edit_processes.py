@@ -13,16 +13,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from runtime_procs import (
-    diffusers_images,
-    diffusers_pipeline,
-    images_api_pixels,
-    openai_client,
-    random_png,
-    running,
-    runtime_env,
-    serve_process,
-)
+from runtime_procs import images_api_pixels, openai_client, random_png, running, runtime_env, serve_process
+from stage_engines import diffusers_images, diffusers_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -20,14 +20,8 @@ import pytest
 import pytest_asyncio
 import torch
 from pydantic import ValidationError
-from runtime_procs import (
-    Deployed,
-    diffusers_images,
-    diffusers_pipeline,
-    images_of,
-    stages_in_process,
-    torch_threads,
-)
+from runtime_procs import torch_threads
+from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from runtime_procs import diffusers_images, diffusers_pipeline, images_of, stages_in_process
+from stage_engines import diffusers_images, diffusers_pipeline, images_of, stages_in_process
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine

@@ -13,8 +13,6 @@ import numpy as np
 import openai
 import pytest
 from runtime_procs import (
-    diffusers_images,
-    diffusers_pipeline,
     images_api_pixels,
     openai_client,
     png_pixels,
@@ -23,6 +21,7 @@ from runtime_procs import (
     serve_process,
     split_deployment,
 )
+from stage_engines import diffusers_images, diffusers_pipeline
 
 from omnimodel_runtime.serve import serve_pipeline
 
