@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (t2i-parts: where a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,12 @@ for section in "$@"; do
       python3 bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --runs "${T2I_RUNS:-3}" \
         --variants "${T2I_VARIANTS:-eager,cfgbatch,regional,regional+cfgbatch}" \
         --out "$OUT/${T2I_OUT:-t2i-qwen-image-speed-h200.json}" || status=1
+      ;;
+    t2i-parts)
+      [ -d /dev/shm/qwen-image ] || { time om make-tiny --preset text-to-image --size qwen-image --device cuda --out /dev/shm/qwen-image || exit 1; }
+      for size in ${T2I_PARTS_SIZES:-1024}; do
+        python3 bench/t2i_parts.py --model /dev/shm/qwen-image --size "$size" --out "$OUT/t2i-qwen-image-parts-$size-h200.json" || status=1
+      done
       ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac

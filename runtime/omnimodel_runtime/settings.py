@@ -63,10 +63,10 @@ class RuntimeSettings(BaseSettings):
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     # Stage requests may carry tensors (a 15 MB hidden-state hand-off and far more for video).
     stage_max_body_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
-    # Chat images given as http(s) URLs: fetched by the gateway only when true (off: a gateway fetching any
-    # URL a client names reaches whatever its network reaches); data: URLs are always accepted.
+    # Chat images and videos given as http(s) URLs: fetched by the gateway only when true (off: a gateway
+    # fetching any URL a client names reaches whatever its network reaches); data: URLs are always accepted.
     media_fetch: bool = False
-    # The largest image the gateway fetches for one content part.
+    # The largest image or video the gateway fetches for one content part.
     media_max_bytes: Annotated[int, Field(gt=0)] = 20 * 1024 * 1024
     # Upper bound on one request end to end; becomes the deadline stages enforce.
     request_timeout: Annotated[float, Field(gt=0)] = 600.0

@@ -32,6 +32,16 @@ class Modality(StrEnum):
     IMAGE = "image"
 
 
+class InputModality(StrEnum):
+    """What a chat request may hand a pipeline's entry stage beside text (content parts). Wider than
+    :class:`Modality`: video comes in, but no stage puts it out."""
+
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+    VIDEO = "video"
+
+
 class StageKind(StrEnum):
     """The computational shape of a stage; informs batching and defaults, not routing."""
 
@@ -81,8 +91,9 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
 
 # What the entry stage of each task takes from a chat beside text (content parts of user messages); a
 # task not named here takes text only, and the gateway refuses any other part with a 400 naming it.
-TASK_INPUTS: Final[Mapping[str, tuple[Modality, ...]]] = {
-    "omni-thinker": (Modality.TEXT, Modality.AUDIO, Modality.IMAGE),
+TASK_INPUTS: Final[Mapping[str, tuple[InputModality, ...]]] = {
+    "omni-thinker": (InputModality.TEXT, InputModality.AUDIO, InputModality.IMAGE, InputModality.VIDEO),
+    "qwen3-omni-thinker": (InputModality.TEXT, InputModality.AUDIO, InputModality.IMAGE),
 }
 
 
@@ -223,9 +234,9 @@ class Pipeline(_Model):
         return next(s for s in self.stages if not s.inputs)
 
     @property
-    def input_modalities(self) -> tuple[Modality, ...]:
+    def input_modalities(self) -> tuple[InputModality, ...]:
         """What a chat request may hand the entry stage (:data:`TASK_INPUTS`; text only by default)."""
-        return TASK_INPUTS.get(self.entry.task, (Modality.TEXT,))
+        return TASK_INPUTS.get(self.entry.task, (InputModality.TEXT,))
 
     def downstream(self, name: str) -> list[Stage]:
         return [s for s in self.stages if name in s.inputs]

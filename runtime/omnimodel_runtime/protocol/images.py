@@ -240,17 +240,7 @@ class ImageEditRequest(OpenAIBaseModel):
         return value
 
     def params(self) -> TextToImageParams:
-        width, height = _dimensions(self.size)
-        return TextToImageParams(
-            n=self.n,
-            width=width,
-            height=height,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            negative_prompt=self.negative_prompt,
-            seed=self.seed,
-        )
+        return _stage_params(self, *_dimensions(self.size))
 
 
 class ImageObject(OpenAIBaseModel):
@@ -348,9 +338,9 @@ class ImageChatCompletionRequest(_ImageFields):
 
 
 def _stage_params(
-    req: ImageGenerationRequest | ImageChatCompletionRequest, width: int | None, height: int | None
+    req: ImageGenerationRequest | ImageEditRequest | ImageChatCompletionRequest, width: int | None, height: int | None
 ) -> TextToImageParams:
-    """What the stages get of either request."""
+    """What the stages get of any of the three requests."""
     return TextToImageParams(
         n=req.n,
         width=width,

@@ -172,6 +172,9 @@ class _SamplingFields(OpenAIRequestBody):
 # The media content parts a user message may carry (serving.media says which a model takes).
 INPUT_AUDIO_PART: Final = "input_audio"
 IMAGE_URL_PART: Final = "image_url"
+# Not OpenAI's: vLLM's and vLLM-Omni's (their Qwen2.5-Omni and Qwen3-Omni clients send them).
+VIDEO_URL_PART: Final = "video_url"
+AUDIO_URL_PART: Final = "audio_url"
 TEXT_PART: Final = "text"
 
 
@@ -190,9 +193,38 @@ class ImageURLParam(OpenAIRequestModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class AudioURLParam(OpenAIRequestModel):
+    """``audio_url`` of an ``audio_url`` part (vLLM's): a ``data:audio/...;base64,`` URL of a whole audio
+    file (what libsndfile reads: wav, flac, mp3, ogg), or an http(s) URL the gateway fetches only when
+    allowed to (``OMNIMODEL_MEDIA_FETCH``)."""
+
+    url: Annotated[str, Field(min_length=1)]
+
+
+class VideoURLParam(OpenAIRequestModel):
+    """``video_url`` of a ``video_url`` part: a ``data:video/...;base64,`` URL, or an http(s) URL the
+    gateway fetches only when allowed to (``OMNIMODEL_MEDIA_FETCH``). ``num_frames`` (vLLM-Omni's client
+    sends it): how many frames to take; by default 2 a second."""
+
+    url: Annotated[str, Field(min_length=1)]
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+
+
+class MMProcessorKwargs(OpenAIRequestModel):
+    """vLLM's ``mm_processor_kwargs`` for Qwen2.5-Omni: ``use_audio_in_video`` takes each video's audio
+    track as input too, interleaved with its frames. Other processor arguments are a 400 naming them
+    (not ignored: the answer would not be the one asked for)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    use_audio_in_video: bool = False
+
+
 class ContentPart(OpenAIRequestModel):
-    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`) or ``image_url``
-    (:class:`ImageURLParam`). Any other type is kept (``extra="allow"``), and the media payloads are
+    """One part of a multi-part message: ``text``, ``input_audio`` (:class:`InputAudio`), ``audio_url``
+    (:class:`AudioURLParam`), ``image_url`` (:class:`ImageURLParam`) or ``video_url``
+    (:class:`VideoURLParam`). Any other type is kept
+    (``extra="allow"``), and the media payloads are
     validated by the serving layer (``serving.media``), so that every problem with a part is a 400 whose
     ``param`` names the part (``messages[0].content[1]``): inside ``content``'s union a schema error
     would name the union's first member (``messages.0.content.str``) instead."""
@@ -202,7 +234,9 @@ class ContentPart(OpenAIRequestModel):
     type: str
     text: str | None = None
     input_audio: Any = None
+    audio_url: Any = None
     image_url: Any = None
+    video_url: Any = None
 
 
 class ChatMessageParam(OpenAIRequestModel):
@@ -245,6 +279,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's extension (vLLM-Omni's clients send it for video with sound).
+    mm_processor_kwargs: MMProcessorKwargs | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:

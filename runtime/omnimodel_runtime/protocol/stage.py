@@ -72,17 +72,22 @@ class StageParams(_Model):
 
 
 class MediaInput(_Model):
-    """An audio or image part of the chat ``messages``, in the order the parts appear there (the
-    messages keep a ``{"type": "audio"}`` / ``{"type": "image"}`` placeholder part in its place). Its
-    bytes, still encoded (a WAV/MP3/FLAC file, a PNG/JPEG/... image), are the request tensor named
-    ``tensor`` (uint8): in process as they are, across processes in the request frame."""
+    """An audio, image or video part of the chat ``messages``, in the order the parts appear there (the
+    messages keep a ``{"type": "audio"}`` / ``{"type": "image"}`` / ``{"type": "video"}`` placeholder part
+    in its place). Its bytes, still encoded (a WAV/MP3/FLAC file, a PNG/JPEG/... image, an MP4/WebM/...
+    video), are the request tensor named ``tensor`` (uint8): in process as they are, across processes in
+    the request frame."""
 
-    kind: Literal["audio", "image"]
+    kind: Literal["audio", "image", "video"]
     tensor: Annotated[str, Field(min_length=1)]
-    # audio: wav, mp3 or flac; image: its MIME type as the client gave it (the bytes decide).
+    # audio: wav, mp3 or flac; image and video: the MIME type as the client gave it (the bytes decide).
     format: str
     # Where the client put it (``messages[0].content[1]``): the ``param`` of an error about it.
     param: str
+    # video: how many frames to take (None: the model's rate, 2 a second).
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+    # video: its audio track goes in too, interleaved with the frames (``use_audio_in_video``).
+    use_audio: bool = False
 
 
 class StageRequest(_Model):

@@ -147,7 +147,7 @@ class ChatService(TextService):
 
     async def stage_input(self, req: ChatCompletionRequest, request_id: str) -> StageInput:
         """Validate ``req`` and translate it for the entry stage: the request, and the bytes of its media
-        (audio and images; remote images fetched when the media policy allows)."""
+        (audio, images and video; remote images and videos fetched when the media policy allows)."""
         self.check_common(req)
         if req.logprobs:
             raise APIError("logprobs are not supported", param="logprobs")
@@ -166,7 +166,11 @@ class ChatService(TextService):
                 param="response_format",
             )
         content = chat_content(
-            req.messages, accepts=self.orchestrator.pipeline.input_modalities, model=self.model_name, policy=self.media
+            req.messages,
+            accepts=self.orchestrator.pipeline.input_modalities,
+            model=self.model_name,
+            policy=self.media,
+            use_audio_in_video=req.mm_processor_kwargs is not None and req.mm_processor_kwargs.use_audio_in_video,
         )
         await content.fetch(self.media)
         request = StageRequest(

@@ -44,50 +44,50 @@ AUDIO, IMAGE, VIDEO = "<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>"
 AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS = "<|audio_bos|>", "<|audio_eos|>", "<|vision_bos|>", "<|vision_eos|>"
 TTS_PAD, TTS_TEXT_BOS, TTS_TEXT_EOD = "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"
 VOICES: Final = ("Chelsie", "Ethan")
-EXTRA_TOKENS: Final = (
-    AUDIO,
-    IMAGE,
-    VIDEO,
-    AUDIO_BOS,
-    AUDIO_EOS,
-    VISION_BOS,
-    VISION_EOS,
-    TTS_PAD,
-    TTS_TEXT_BOS,
-    TTS_TEXT_EOD,
-    *(f"<|spk_{v.lower()}|>" for v in VOICES),
-)
+# The media markers and TTS controls, after the three placeholders (the Qwen3-Omni tiny model's too).
+MARKERS: Final = (AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS, TTS_PAD, TTS_TEXT_BOS, TTS_TEXT_EOD)
+EXTRA_TOKENS: Final = (AUDIO, IMAGE, VIDEO, *MARKERS, *(f"<|spk_{v.lower()}|>" for v in VOICES))
 
-# The tokenizer attributes the released tokenizer_config names (the processor looks them up by name).
-NAMED_TOKENS: Final[dict[str, str]] = {
-    "audio_token": AUDIO,
-    "audio_bos_token": AUDIO_BOS,
-    "audio_eos_token": AUDIO_EOS,
-    "image_token": IMAGE,
-    "video_token": VIDEO,
-    "vision_bos_token": VISION_BOS,
-    "vision_eos_token": VISION_EOS,
-}
 
-# Qwen2.5-Omni's chat template (the released one, without its default system prompt): audio, image and
-# video parts become their placeholders, which the processor expands to one token per encoder output.
-CHAT_TEMPLATE: Final = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for content in message['content'] %}"
-    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{%- elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
-    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{%- elif content['type'] == 'video' or 'video' in content %}"
-    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{%- elif content['type'] == 'text' %}{{- content['text'] }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+def named_tokens(audio: str, image: str, video: str) -> dict[str, str]:
+    """The tokenizer attributes the released tokenizer_config names (the Omni processors look them up by
+    name), for these placeholders."""
+    return {
+        "audio_token": audio,
+        "audio_bos_token": AUDIO_BOS,
+        "audio_eos_token": AUDIO_EOS,
+        "image_token": image,
+        "video_token": video,
+        "vision_bos_token": VISION_BOS,
+        "vision_eos_token": VISION_EOS,
+    }
+
+
+def chat_template(audio: str, image: str, video: str) -> str:
+    """Qwen2.5-Omni's chat template (the released one, without its default system prompt) for these
+    placeholders: audio, image and video parts become their placeholder between markers, which the
+    processor expands to one token per encoder output."""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for content in message['content'] %}"
+        "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+        f"{{{{- '{VISION_BOS}{image}{VISION_EOS}' }}}}"
+        "{%- elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+        f"{{{{- '{AUDIO_BOS}{audio}{AUDIO_EOS}' }}}}"
+        "{%- elif content['type'] == 'video' or 'video' in content %}"
+        f"{{{{- '{VISION_BOS}{video}{VISION_EOS}' }}}}"
+        "{%- elif content['type'] == 'text' %}{{- content['text'] }}"
+        "{%- endif %}{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+NAMED_TOKENS: Final = named_tokens(AUDIO, IMAGE, VIDEO)
+CHAT_TEMPLATE: Final = chat_template(AUDIO, IMAGE, VIDEO)
 
 THINKER_HIDDEN: Final = 64
 # Mel bins of the tiny audio encoder; its feature extractor must agree.
@@ -318,22 +318,25 @@ def _config(ids: dict[str, int], vocab: int, eos: int, pad: int) -> Qwen2_5OmniC
     )
 
 
-def preprocessor_config(mel_bins: int) -> dict[str, Any]:
+def preprocessor_config(mel_bins: int, processor_class: str = "Qwen2_5OmniProcessor", **image: Any) -> dict[str, Any]:
     """``preprocessor_config.json`` as the released checkpoint has it: the audio feature extractor's and
-    the image processor's settings in one file, ``processor_class`` naming the Omni processor (the video
-    processor takes the image settings). Written as data: instantiating the processor needs torchvision,
-    which the project's environment does not carry."""
+    the image processor's settings (``image``: those that differ from Qwen2-VL's defaults) in one file,
+    ``processor_class`` naming the Omni processor (the video processor takes the image settings). Written
+    as data: instantiating the processor needs torchvision, which the project's environment does not
+    carry."""
     audio = WhisperFeatureExtractor(feature_size=mel_bins, chunk_length=300, n_samples=4800000, nb_max_frames=30000)
-    merged: dict[str, Any] = {**Qwen2VLImageProcessor().to_dict(), **audio.to_dict()}
-    merged["processor_class"] = "Qwen2_5OmniProcessor"
+    merged: dict[str, Any] = {**Qwen2VLImageProcessor(**image).to_dict(), **audio.to_dict()}
+    merged["processor_class"] = processor_class
     merged["return_attention_mask"] = True  # the thinker's audio encoder reads feature_attention_mask
     return merged
 
 
-def _tokenizer(seed: int, extra: tuple[str, ...] = EXTRA_TOKENS) -> PreTrainedTokenizerFast:
+def _tokenizer(
+    seed: int, extra: tuple[str, ...] = EXTRA_TOKENS, placeholders: tuple[str, str, str] = (AUDIO, IMAGE, VIDEO)
+) -> PreTrainedTokenizerFast:
     """The text preset's tokenizer plus the placeholder, TTS and speaker tokens (``extra``), named as the
-    released tokenizer names them (Qwen2_5OmniProcessor reads ``tokenizer.audio_token`` and its kin), with
-    the released chat template."""
+    released tokenizer names them (the Omni processors read ``tokenizer.audio_token`` and its kin), with
+    the released chat template; ``placeholders``: the audio, image and video placeholder tokens."""
     trained = build_tokenizer(seed)
     trained.add_special_tokens({"additional_special_tokens": list(extra)})
     wrapped = PreTrainedTokenizerFast(
@@ -344,9 +347,9 @@ def _tokenizer(seed: int, extra: tuple[str, ...] = EXTRA_TOKENS) -> PreTrainedTo
         model_max_length=trained.model_max_length,
         padding_side="left",
         clean_up_tokenization_spaces=False,
-        extra_special_tokens=NAMED_TOKENS,
+        extra_special_tokens=named_tokens(*placeholders),
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = chat_template(*placeholders)
     return wrapped
 
 

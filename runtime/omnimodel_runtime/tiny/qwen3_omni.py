@@ -1,8 +1,10 @@
 """The tiny model of the ``qwen3-omni`` preset: a random-weight ``Qwen3OmniMoeForConditionalGeneration``.
 
 One full checkpoint laid out like the released one (``thinker.*``, ``talker.*`` — with its code predictor —
-and ``code2wav.*`` weights in ``model.safetensors``, tokenizer, chat template), so the stage engines load
-their part from it exactly as they would load Qwen3-Omni-30B-A3B. The voices are codec ids in the talker
+and ``code2wav.*`` weights in ``model.safetensors``, tokenizer, chat template with the Qwen3 placeholders
+``<|audio_pad|>``/``<|image_pad|>``/``<|video_pad|>``, ``preprocessor_config.json`` for
+``Qwen3OmniMoeProcessor``), so the stage engines load their part from it exactly as they would load
+Qwen3-Omni-30B-A3B. The voices are codec ids in the talker
 config (``talker_config.speaker_id``), as released: there is no speaker file.
 
 Sizes honour the architecture's constraints (checked by running the whole model's ``generate()``):
@@ -15,7 +17,9 @@ Sizes honour the architecture's constraints (checked by running the whole model'
   others from the code predictor) is below ``code2wav.codebook_size``;
 - the code predictor's hidden size equals the talker's (it continues from the talker's last hidden state);
 - ``talker.thinker_hidden_size`` equals the thinker's hidden size; ``accept_hidden_layer`` is at most the
-  thinker's layer count.
+  thinker's layer count;
+- the audio encoder's ``n_window`` is the processor's (it counts an audio's placeholders with its own,
+  50 by default), and the image processor's ``patch_size`` the vision encoder's (16).
 
 The vocoder keeps the released geometry (upsampling 8·5·4·3 then 2·2: 1920 samples per code at 24 kHz,
 12.5 codes per second; sliding window 72). Random-weight traps handled: the thinker's output head is
@@ -37,32 +41,21 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.layout import OMNI_GENERATION_FILE
 from omnimodel_runtime.tiny.omni import (
     AUDIO_BOS,
-    AUDIO_EOS,
+    MARKERS,
     TARGET_RMS,
     TTS_PAD,
     TTS_TEXT_BOS,
     TTS_TEXT_EOD,
     VISION_BOS,
-    VISION_EOS,
     _tokenizer,
+    preprocessor_config,
 )
 from omnimodel_runtime.tiny.text import IM_END, IM_START, _silence_unprintable
 
 PRESET: Final = "qwen3-omni"
 # The released tokenizer's placeholder names (Qwen3-Omni renamed Qwen2.5-Omni's <|AUDIO|> and kin).
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>"
-EXTRA_TOKENS: Final = (
-    AUDIO_PAD,
-    IMAGE_PAD,
-    VIDEO_PAD,
-    AUDIO_BOS,
-    AUDIO_EOS,
-    VISION_BOS,
-    VISION_EOS,
-    TTS_PAD,
-    TTS_TEXT_BOS,
-    TTS_TEXT_EOD,
-)
+EXTRA_TOKENS: Final = (AUDIO_PAD, IMAGE_PAD, VIDEO_PAD, *MARKERS)
 # The released voices (talker_config.speaker_id); the whole model's generate() defaults to Ethan.
 VOICES: Final = ("Ethan", "Chelsie", "Aiden")
 
@@ -116,8 +109,10 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
             "d_model": 16,
             "output_dim": h,
             "max_source_positions": 100,
-            "n_window": 10,
-            "n_window_infer": 40,
+            # transformers' default window (chunks of 100 mel frames): Qwen3OmniMoeProcessor counts each audio's
+            # placeholders with its own n_window (50 unless told otherwise), which must agree.
+            "n_window": 50,
+            "n_window_infer": 200,
             "downsample_hidden_size": 8,
         },
         "vision_config": {
@@ -179,7 +174,9 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
         },
         "num_code_groups": CODE_GROUPS,
         "thinker_hidden_size": h,
-        "accept_hidden_layer": 2,
+        # The talker reads the thinker's hidden state after this layer at audio/image positions: a middle
+        # layer, as in transformers' default config (18 of 28): a layer's own output, not the final-normed one.
+        "accept_hidden_layer": 1,
         "speaker_id": {v.lower(): c + 6 + i for i, v in enumerate(VOICES)},
         # Read by the talker but not declared by its config class (the released config.json carries it).
         "spatial_merge_size": 2,
@@ -241,7 +238,7 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     if size != "tiny":
         raise ValueError(f"unknown size {size!r} for preset {PRESET} (known: tiny)")
     hf_logging.disable_progress_bar()
-    tokenizer = _tokenizer(seed, EXTRA_TOKENS)
+    tokenizer = _tokenizer(seed, EXTRA_TOKENS, (AUDIO_PAD, IMAGE_PAD, VIDEO_PAD))
     ids = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in (*EXTRA_TOKENS, IM_START, IM_END)}
     ids.update({role: _token_id(tokenizer, role) for role in ("system", "user", "assistant")})
     verbosity = hf_logging.get_verbosity()
@@ -276,6 +273,11 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     _make_audible(model, seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    mel_bins = int(config.thinker_config.audio_config.num_mel_bins)
+    processor = preprocessor_config(
+        mel_bins, "Qwen3OmniMoeProcessor", patch_size=int(config.thinker_config.vision_config.patch_size)
+    )
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
     (out / OMNI_GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
     (out / "README.md").write_text(
         f"Random-weight Qwen3OmniMoeForConditionalGeneration (tiny) built by `omnimodel make-tiny --preset "

@@ -50,7 +50,11 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "qwen2.5-omni-vllm-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.omni_vllm_omni", function="build", extra="transformers"
     ),
-    "qwen3-omni": TinyBuilder(module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers"),
+    # v2: audio and image input (a processor config, the Qwen3 placeholders named and templated, the
+    # default audio window) and a middle accept_hidden_layer.
+    "qwen3-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers", version=2
+    ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
 }

@@ -1,5 +1,5 @@
 """Fixtures for runtime component tests: the tiny models, each built once per session (``tiny_*``) and
-shared by every test, and the whole Qwen2.5-Omni they are compared against."""
+shared by every test, and the whole Qwen2.5-Omni and Qwen3-Omni they are compared against."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from omni_helpers import Qwen25Whole
+    from omni_helpers import Qwen3Whole, Qwen25Whole
 
 # pytest runs with --import-mode=importlib, which puts no test directory on sys.path; the test modules
 # here share runtime_procs.py, stage_engines.py and omni_helpers.py (plain helpers, not fixtures), so this
@@ -53,3 +53,11 @@ def whole_omni(tiny_omni: Path) -> Qwen25Whole:
     from omni_helpers import Qwen25Whole
 
     return Qwen25Whole(tiny_omni)
+
+
+@pytest.fixture(scope="session")
+def whole_qwen3(tiny_qwen3: Path) -> Qwen3Whole:
+    """The unsplit tiny Qwen3-Omni (transformers' own), loaded once for the whole session."""
+    from omni_helpers import Qwen3Whole
+
+    return Qwen3Whole(tiny_qwen3)

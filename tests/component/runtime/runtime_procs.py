@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 import numpy as np
 import openai
+import pytest
+import pytest_asyncio
 import uvicorn
 from fastapi import FastAPI
 
@@ -249,19 +251,36 @@ class Served:
 
 @asynccontextmanager
 async def served_in_process(
-    pipeline: Pipeline, model_cache: Path, *, http_timeout: float = 120.0
+    pipeline: Pipeline, model_cache: Path, *, http_timeout: float = 120.0, **settings: Any
 ) -> AsyncIterator[Served]:
     """``omnimodel serve``'s app of ``pipeline``, every stage in this process on the CPU, frames handed over
-    in memory: started and warm when yielded, with an httpx client of it (``http://gateway``)."""
+    in memory: started and warm when yielded, with an httpx client of it (``http://gateway``). ``settings``:
+    more of its :class:`RuntimeSettings`."""
     from omnimodel_runtime.serve import build_serve_app
     from omnimodel_runtime.settings import RuntimeSettings
 
-    app = build_serve_app(RuntimeSettings(model_cache=model_cache, device="cpu"), pipeline)
+    app = build_serve_app(RuntimeSettings(model_cache=model_cache, device="cpu", **settings), pipeline)
     async with app.router.lifespan_context(app):
         await app.state.startup.wait()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=http_timeout) as http:
             yield Served(app, http)
+
+
+def serve_fixture(preset: str, tiny: str) -> Any:
+    """A module fixture: ``omnimodel serve --preset PRESET --model tiny://PRESET``'s app in this process
+    (:func:`served_in_process`), the model built by the session fixture named ``tiny``. Its name is the one
+    it is bound to in the test module."""
+
+    @pytest_asyncio.fixture(scope="module", loop_scope="module")
+    async def serve(request: pytest.FixtureRequest, model_cache: Path) -> AsyncIterator[Served]:
+        from omnimodel_runtime.serve import serve_pipeline
+
+        request.getfixturevalue(tiny)
+        async with served_in_process(serve_pipeline(preset, f"tiny://{preset}", device="cpu"), model_cache) as served:
+            yield served
+
+    return serve
 
 
 @asynccontextmanager
@@ -280,6 +299,18 @@ async def served_over_tcp(app: FastAPI) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+async def streamed_chat_over_tcp(app: FastAPI, **create: Any) -> list[dict[str, Any]]:
+    """The chunks of the streamed chat answer ``app`` (its lifespan already running) gives the official
+    client over real TCP (:func:`served_over_tcp`); ``create``: the arguments of its
+    ``chat.completions.create`` but ``stream``."""
+    async with (
+        served_over_tcp(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        stream = await client.chat.completions.create(**create, stream=True)
+        return [chunk.model_dump() async for chunk in stream]
 
 
 async def hang_up_after_the_first_text(url: str, body: Mapping[str, Any]) -> None:

@@ -9,17 +9,12 @@ Through stage processes: test_omni_processes.py.
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import pytest_asyncio
 from omni_helpers import QWEN25, Qwen25Whole, audio_part, image_part, png_file, spoken_chat, wav_file
-from runtime_procs import Served, served_in_process, sse_chunks, streamed_audio, streamed_text, wav_of
-
-from omnimodel_runtime.serve import serve_pipeline
+from runtime_procs import Served, serve_fixture, sse_chunks, streamed_audio, streamed_text, wav_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -27,10 +22,7 @@ MODEL = QWEN25
 QUESTION = "What do you hear?"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def serve(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
-    async with served_in_process(serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"), model_cache) as served:
-        yield served
+serve = serve_fixture(MODEL, "tiny_omni")
 
 
 async def test_voice_chat_answers_the_audio_as_the_whole_model_does(serve: Served, whole_omni: Qwen25Whole) -> None:

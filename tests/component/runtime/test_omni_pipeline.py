@@ -9,13 +9,10 @@ code2wav chunked; its audio equals a single pass over the same noise within :dat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 from omni_helpers import (
     CHUNKED_TOLERANCE,
     QWEN25,
@@ -29,7 +26,7 @@ from omni_helpers import (
 from runtime_procs import (
     Served,
     hang_up_after_the_first_text,
-    served_in_process,
+    serve_fixture,
     served_over_tcp,
     sse_chunks,
     stage_requests,
@@ -37,18 +34,12 @@ from runtime_procs import (
     wav_of,
 )
 
-from omnimodel_runtime.serve import serve_pipeline
-
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = QWEN25
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def serve(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
-    """The ``omnimodel serve`` app: every stage in this process, frames handed over in memory."""
-    async with served_in_process(serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"), model_cache) as served:
-        yield served
+serve = serve_fixture(MODEL, "tiny_omni")
 
 
 async def test_split_stages_reproduce_the_whole_model_text_and_waveform(serve: Served, whole_omni: Qwen25Whole) -> None:

@@ -5,68 +5,36 @@ real TCP port for the streamed answer), on the tiny random-weight model, against
 The equality is exact: the text token for token, and the WAV the client receives is byte for byte the
 whole model's waveform in 16-bit PCM (same seed; greedy thinker, sampling talker and code predictor). A
 streamed answer runs code2wav in chunks of 12 codes with left context and one code of look-ahead; it stays
-within :data:`STREAM_TOLERANCE_LSB` of the whole model's waveform.
+within ``omni_helpers.QWEN3_STREAM_TOLERANCE_LSB`` of the whole model's waveform.
 """
 
 from __future__ import annotations
 
-import base64
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import openai
 import pytest
-import pytest_asyncio
-from omni_helpers import QWEN3, USER, Qwen3Whole, spoken_chat
-from runtime_procs import (
-    Served,
-    served_in_process,
-    served_over_tcp,
-    stage_requests,
-    streamed_audio,
-    streamed_text,
-    wav_of,
-)
+from omni_helpers import QWEN3, QWEN3_MARKS, USER, Qwen3Whole, assert_qwen3_stream_matches, spoken_chat
+from runtime_procs import Served, serve_fixture, stage_requests, streamed_chat_over_tcp, wav_of
 
-from omnimodel_runtime.serve import serve_pipeline
-
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.slow,
-    pytest.mark.asyncio(loop_scope="module"),
-    # The whole model's talker generate() warns that its repetition penalty skips the prompt (by design).
-    pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning"),
-]
+pytestmark = QWEN3_MARKS
 
 MODEL = QWEN3
 SYSTEM = [{"role": "system", "content": "You are a tiny model."}, *USER]
-# Streamed audio vs the whole model's (one vocoder pass over every code), in 16-bit PCM steps.
-STREAM_TOLERANCE_LSB = 1
 
 
-@pytest.fixture(scope="module")
-def whole(tiny_qwen3: Path) -> Qwen3Whole:
-    return Qwen3Whole(tiny_qwen3)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def serve(tiny_qwen3: Path, model_cache: Path) -> AsyncIterator[Served]:
-    """``omnimodel serve --preset qwen3-omni --model tiny://qwen3-omni``: every stage in this process."""
-    async with served_in_process(serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"), model_cache) as served:
-        yield served
+serve = serve_fixture(MODEL, "tiny_qwen3")
 
 
 @pytest.mark.parametrize(("voice", "messages"), [("Ethan", USER), ("Chelsie", SYSTEM)])
 async def test_split_stages_reproduce_the_whole_model_text_and_waveform(
-    serve: Served, whole: Qwen3Whole, voice: str, messages: list[dict[str, str]]
+    serve: Served, whole_qwen3: Qwen3Whole, voice: str, messages: list[dict[str, str]]
 ) -> None:
     spoken = spoken_chat(messages, voice=voice, max_tokens=16, seed=5, model=MODEL)
     reply = await serve.openai.chat.completions.create(**spoken)
     message = reply.choices[0].message
     assert message.audio is not None
-    text, wav = whole.generate(messages, speaker=voice, max_tokens=16, seed=5)
+    text, wav = whole_qwen3.generate(messages, speaker=voice, max_tokens=16, seed=5)
     assert message.content == text
     assert message.audio.transcript == text
     assert wav_of(message.model_dump()) == wav
@@ -88,28 +56,13 @@ async def test_voices_differ_and_the_default_is_the_whole_models(serve: Served) 
     assert "Aiden" in resp.json()["error"]["message"]
 
 
-async def test_streamed_answer_over_tcp_with_the_openai_client(serve: Served, whole: Qwen3Whole) -> None:
-    async with (
-        served_over_tcp(serve.app) as url,
-        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
-    ):
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=USER,  # type: ignore[arg-type]
-            modalities=["text", "audio"],
-            max_tokens=16,
-            temperature=0,
-            seed=5,
-            stream=True,
-        )
-        chunks = [chunk.model_dump() async for chunk in stream]
-    whole_text, wav = whole.generate(USER, speaker="Ethan", max_tokens=16, seed=5)
-    assert streamed_text(chunks) == whole_text
-    samples = np.frombuffer(b"".join(streamed_audio(chunks)), dtype="<i2")
-    reference = np.frombuffer(wav[44:], dtype="<i2")
+async def test_streamed_answer_over_tcp_with_the_openai_client(serve: Served, whole_qwen3: Qwen3Whole) -> None:
+    chunks = await streamed_chat_over_tcp(
+        serve.app, model=MODEL, messages=USER, modalities=["text", "audio"], max_tokens=16, temperature=0, seed=5
+    )
+    whole_text, wav = whole_qwen3.generate(USER, speaker="Ethan", max_tokens=16, seed=5)
     # 24 codes in chunks of 12, joined without a gap: the whole waveform within the stated tolerance.
-    assert samples.size == reference.size
-    assert int(np.abs(samples.astype(np.int32) - reference).max()) <= STREAM_TOLERANCE_LSB
+    assert_qwen3_stream_matches(chunks, whole_text, wav)
 
 
 async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served) -> None:
@@ -123,14 +76,6 @@ async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served
     assert stage_requests(after, "thinker") == stage_requests(before, "thinker") + 1
     for stage in ("talker", "code2wav"):
         assert stage_requests(after, stage) == stage_requests(before, stage)
-
-
-async def test_audio_input_is_refused_naming_the_part(serve: Served) -> None:
-    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF").decode(), "format": "wav"}}
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}]
-    resp = await serve.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "messages[0].content[1]"
 
 
 async def test_the_tiny_model_is_byte_identical_per_seed(tmp_path: Path, tiny_qwen3: Path) -> None:

@@ -315,8 +315,11 @@ def test_wait_weights_waits_for_the_fetch(bed: Bed, tmp_path: Path) -> None:
         text=True,
     )
     try:
-        time.sleep(2)
-        assert waiter.poll() is None, waiter.stdout.read() if waiter.stdout else ""
+        assert waiter.stdout is not None
+        # It says what it waits for once a second: two such lines are a second of waiting, still running.
+        said = [waiter.stdout.readline() for _ in range(2)]
+        assert all("waiting for acme/tiny-tts@main" in line for line in said), said
+        assert waiter.poll() is None
         rc, _, stderr = fetch(bed, tmp_path, pipeline, cache)
         assert rc == 0, stderr
         out, _ = waiter.communicate(timeout=30)
@@ -324,7 +327,6 @@ def test_wait_weights_waits_for_the_fetch(bed: Bed, tmp_path: Path) -> None:
         if waiter.poll() is None:
             waiter.kill()
     assert waiter.returncode == 0, out
-    assert "waiting for acme/tiny-tts@main" in out
     assert f"weights ready for stage vocoder: acme/tiny-tts@main ({bed.shas[TTS]}), 2 files" in out
 
 

@@ -21,7 +21,7 @@ from chartkit import Manifest, Render, RenderError, find_helm, run_helm, templat
 def helm() -> str:
     path = find_helm()
     if path is None:
-        pytest.skip("no helm binary: run `make cluster-build` (the test bed builds helm) or set $HELM")
+        pytest.fail("no helm binary: run `make cluster-build` (the test bed builds helm) or set $HELM")
     return path
 
 

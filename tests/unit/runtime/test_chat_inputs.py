@@ -1,14 +1,15 @@
 """Content parts of chat messages through the API, on every preset that serves chat, with fake stage
-engines: what each model takes (text everywhere; audio and images on the omni thinker), a 400 naming the
-part for anything else, and the media reaching the entry stage as request tensors (in process and in the
-request frame of the stage protocol). The real thinker on these inputs: tests/component."""
+engines: what each model takes (text everywhere; audio and images on the omni thinkers, video on
+Qwen2.5-Omni's), a 400 naming the part for anything else, and the media reaching the entry stage as request
+tensors (in process and in the request frame of the stage protocol). The real thinkers on these inputs:
+tests/component."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -27,14 +28,27 @@ CHAT_PRESETS = sorted(
 )
 WAV = b"RIFF....WAVEfmt fake bytes: the gateway does not decode them"
 PNG = b"\x89PNG\r\n\x1a\nfake"
+MP4 = b"\x00\x00\x00\x18ftypmp42 fake"
+# The presets whose thinker takes audio and images.
+OMNI: Final = ["qwen2.5-omni", "qwen3-omni"]
 
 
 def audio_part(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
 
 
+def audio_url_part(url: str | None = None) -> dict[str, Any]:
+    """vLLM's ``audio_url`` part (what vLLM-Omni's Qwen-Omni clients send for audio)."""
+    return {"type": "audio_url", "audio_url": {"url": url or "data:audio/wav;base64," + base64.b64encode(WAV).decode()}}
+
+
 def image_part(url: str | None = None) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url or "data:image/png;base64," + base64.b64encode(PNG).decode()}}
+
+
+def video_part(url: str | None = None, **extra: Any) -> dict[str, Any]:
+    url = url or "data:video/mp4;base64," + base64.b64encode(MP4).decode()
+    return {"type": "video_url", "video_url": {"url": url, **extra}}
 
 
 def text_part(text: str = "What is this?") -> dict[str, Any]:
@@ -56,9 +70,10 @@ def test_every_preset_that_serves_chat_is_covered() -> None:
 
 
 _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
-    ("input_audio", audio_part(), {"qwen2.5-omni"}),
-    ("image_url", image_part(), {"qwen2.5-omni"}),
-    ("video_url", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, set()),
+    ("input_audio", audio_part(), set(OMNI)),
+    ("audio_url", audio_url_part(), set(OMNI)),
+    ("image_url", image_part(), set(OMNI)),
+    ("video_url", video_part(), {"qwen2.5-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
     ("file", {"type": "file", "file": {"file_id": "f"}}, set()),
     ("refusal", {"type": "refusal", "refusal": "no"}, set()),
@@ -94,8 +109,9 @@ async def test_text_parts_are_taken_everywhere(preset: str) -> None:
     assert inp.tensors == {}
 
 
-async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_request_tensors() -> None:
-    fake = serve("qwen2.5-omni")
+@pytest.mark.parametrize("preset", OMNI)
+async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_request_tensors(preset: str) -> None:
+    fake = serve(preset)
     messages = [{"role": "user", "content": [audio_part(), text_part(), image_part(), audio_part(b"second", "flac")]}]
     resp = await post(fake, messages)
     assert resp.status_code == 200, resp.text
@@ -111,8 +127,56 @@ async def test_the_omni_thinker_gets_audio_and_images_as_placeholders_and_reques
     assert all(v.dtype == np.uint8 for v in inp.tensors.values())
 
 
-async def test_voice_chat_sends_the_media_to_the_entry_stage_only() -> None:
+@pytest.mark.parametrize("preset", OMNI)
+async def test_an_audio_url_part_is_the_same_audio_input_as_input_audio(preset: str) -> None:
+    """vLLM's ``audio_url`` with a data URL: the same placeholder and bytes as ``input_audio``; the
+    format is the data URL's type (the thinker's decoder reads the container from the bytes)."""
+    fake = serve(preset)
+    flac = "data:audio/flac;base64," + base64.b64encode(b"second").decode()
+    messages = [{"role": "user", "content": [audio_url_part(), text_part(), audio_url_part(flac)]}]
+    resp = await post(fake, messages)
+    assert resp.status_code == 200, resp.text
+    (inp,) = fake.engine.requests
+    assert inp.request.messages == ({"role": "user", "content": [{"type": "audio"}, text_part(), {"type": "audio"}]},)
+    assert inp.request.media == (
+        MediaInput(kind="audio", tensor="media.0", format="audio/wav", param="messages[0].content[0]"),
+        MediaInput(kind="audio", tensor="media.1", format="audio/flac", param="messages[0].content[2]"),
+    )
+    assert {k: v.tobytes() for k, v in inp.tensors.items()} == {"media.0": WAV, "media.1": b"second"}
+
+
+async def test_a_video_part_is_a_video_placeholder_with_its_frames_and_audio_wish() -> None:
+    """vLLM-Omni's shape: ``video_url`` with an optional ``num_frames``, and ``mm_processor_kwargs.
+    use_audio_in_video`` for the whole request (each video's MediaInput carries it to the thinker)."""
     fake = serve("qwen2.5-omni")
+    messages = [{"role": "user", "content": [video_part(num_frames=8), text_part(), audio_part()]}]
+    resp = await post(fake, messages, mm_processor_kwargs={"use_audio_in_video": True})
+    assert resp.status_code == 200, resp.text
+    (inp,) = fake.engine.requests
+    assert inp.request.messages == ({"role": "user", "content": [{"type": "video"}, text_part(), {"type": "audio"}]},)
+    assert inp.request.media == (
+        MediaInput(
+            kind="video",
+            tensor="media.0",
+            format="video/mp4",
+            param="messages[0].content[0]",
+            num_frames=8,
+            use_audio=True,
+        ),
+        MediaInput(kind="audio", tensor="media.1", format="wav", param="messages[0].content[2]"),
+    )
+    assert inp.tensors["media.0"].tobytes() == MP4
+    # Without the flag the video comes alone; another processor argument is refused, not ignored.
+    await post(fake, [{"role": "user", "content": [video_part()]}])
+    assert fake.engine.requests[-1].request.media[0].use_audio is False
+    resp = await post(fake, [{"role": "user", "content": [video_part()]}], mm_processor_kwargs={"fps": 4})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "mm_processor_kwargs.fps"
+
+
+@pytest.mark.parametrize("preset", OMNI)
+async def test_voice_chat_sends_the_media_to_the_entry_stage_only(preset: str) -> None:
+    fake = serve(preset)
     # The fake talker and code2wav answer text, not audio: what matters here is what they were sent.
     await post(fake, [{"role": "user", "content": [audio_part()]}], modalities=["text", "audio"])
     (thinker,) = fake.engines["thinker"].requests
@@ -148,10 +212,20 @@ def test_media_travel_in_the_request_frame() -> None:
         (image_part("ftp://example.com/cat.png"), "data: URL or an http(s) URL"),
         (image_part("https://example.com/cat.png"), "does not fetch remote images"),
         ({"type": "image_url"}, "needs image_url.url"),
+        (video_part("data:image/png;base64,AAAA"), "not a video"),
+        (video_part("https://example.com/cat.mp4"), "does not fetch remote videos"),
+        (video_part(num_frames=0), "video_url.num_frames"),
+        ({"type": "video_url"}, "needs video_url.url"),
+        (audio_url_part("data:image/png;base64,AAAA"), "not an audio file"),
+        (audio_url_part("https://example.com/a.wav"), "does not fetch remote audio files"),
+        ({"type": "audio_url"}, "needs audio_url.url"),
+        ({"type": "audio_url", "audio_url": "data:audio/wav;base64,AAAA"}, "audio_url: Input should be"),
     ],
     ids=[
         *("empty", "not-object", "url-not-object", "bad-base64", "no-payload"),
         *("not-image", "not-base64", "scheme", "remote", "no-url"),
+        *("not-video", "remote-video", "no-frames", "no-video-url"),
+        *("not-audio", "remote-audio", "no-audio-url", "audio-url-not-object"),
     ],
 )
 async def test_a_broken_media_part_is_a_400_naming_it(part: dict[str, Any], message: str) -> None:

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile as sf
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from runtime_fakes import asgi_client, fake_context, lifespan, openai_client, serve_on_loopback
@@ -157,7 +158,6 @@ async def test_stream_format_audio_streams_like_stream_true(tts: tuple[httpx.Asy
 
 
 async def test_flac_decodes_to_the_same_samples_as_wav(tts: tuple[httpx.AsyncClient, FakeAcoustic]) -> None:
-    sf = pytest.importorskip("soundfile")
     http, _ = tts
     client = openai_client(http)
     flac = await client.audio.speech.create(model="tts", voice="default", input="Flac", response_format="flac")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +68,6 @@ from omnimodel_runtime.protocol.stage import (
     ResponseFrame,
     StageInput,
     StageParams,
-    StageRequest,
     TensorFrame,
     Usage,
 )
@@ -276,15 +274,8 @@ class OmniCode2WavEngine(OmniEngine):
         self._mels.capture_all(int(default["ref_mel"].shape[1]))
 
     async def warmup(self) -> None:
-        async def upstream() -> Any:
-            yield tensor_frame(CODES_KIND, {"codes": np.zeros(2, dtype=np.int64)})
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(audio_chunked=False)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        codes = tensor_frame(CODES_KIND, {"codes": np.zeros(2, dtype=np.int64)})
+        await self.warm_up_on([codes], StageParams(audio_chunked=False))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:

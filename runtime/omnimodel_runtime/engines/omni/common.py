@@ -50,6 +50,10 @@ AUDIO_META: Final = {"modality": "audio"}  # code2wav -> client (plus sample_rat
 # Tensors of the prompt frame of a request with media: what the talker's M-RoPE positions need.
 AUDIO_LENGTHS: Final = "audio_feature_lengths"  # int64 (audios,): mel frames of each audio
 IMAGE_GRID: Final = "image_grid_thw"  # int64 (images, 3): each image's patch grid
+VIDEO_GRID: Final = "video_grid_thw"  # int64 (videos, 3): each video's patch grid
+VIDEO_SECONDS: Final = "video_second_per_grid"  # float32 (videos,): seconds each temporal patch spans
+# Prompt frame meta: the video's audio track is interleaved with its frames (the M-RoPE positions differ).
+USE_AUDIO_IN_VIDEO: Final = "use_audio_in_video"
 
 SAMPLE_RATE: Final = 24000
 # The whole model's generate() uses this voice when none is named.

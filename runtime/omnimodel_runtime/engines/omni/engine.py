@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import logging
 import queue
+import secrets
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -31,7 +32,7 @@ from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.slots import new_stream, on_stream
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput, StageRequest
+from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, StageRequest
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,19 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         return self._current is not None or bool(self._active)
 
     # ------------------------------------------------------------ event loop
+
+    async def warm_up_on(self, frames: Sequence[ResponseFrame], params: StageParams) -> None:
+        """Warm up on one request whose upstream stage sends ``frames`` and stops (the stages behind the
+        thinker have no prompt of their own: a few made-up frames take their whole path once)."""
+
+        async def upstream() -> AsyncIterator[ResponseFrame]:
+            for frame in frames:
+                yield frame
+            yield FinalFrame("stop")
+
+        request = StageRequest(request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=params)
+        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
+            pass
 
     async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         self.require_running()

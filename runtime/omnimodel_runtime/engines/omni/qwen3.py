@@ -5,12 +5,16 @@ engines' mechanism (:class:`~omnimodel_runtime.engines.omni.engine.OmniEngine`: 
 upstream frames, one request at a time, cancellation checked at every step):
 
 - **thinker** (:class:`Qwen3ThinkerEngine`): the Qwen2.5-Omni thinker engine (chat template, sampling, stop
-  strings, forced replies, voices) on ``Qwen3OmniMoeThinkerForConditionalGeneration``. The talker reads only
-  the thinker's *input embeddings* of text positions (its ``text_projection`` of them), not its hidden states,
-  so the row hook streams embedding rows: every prompt position after the prefill, one per consumed reply token.
+  strings, forced replies, voices, audio and image input through ``Qwen3OmniMoeProcessor``) on
+  ``Qwen3OmniMoeThinkerForConditionalGeneration``. The talker reads the thinker's *input embeddings* of text
+  positions (its ``text_projection`` of them) and, at audio/image placeholders of the prompt, the hidden
+  states of layer ``accept_hidden_layer`` (its ``hidden_projection``), so the row hook streams those: every
+  prompt position after the prefill (a forward hook on that decoder layer keeps the prefill's output), then
+  one embedding row per consumed reply token.
 - **talker** (:class:`Qwen3TalkerEngine`): builds the whole model's talker inputs (user turns and the
-  assistant's first tokens projected, the ``trailing_text_hidden`` of the rest of the reply, ``tts_pad``) and
-  runs ``Qwen3OmniMoeTalkerForConditionalGeneration.generate()``: each step samples a first-group code, and the
+  assistant's first tokens projected, the ``trailing_text_hidden`` of the rest of the reply, ``tts_pad``, the
+  media's feature lengths and patch grids for its M-RoPE) and runs
+  ``Qwen3OmniMoeTalkerForConditionalGeneration.generate()``: each step samples a first-group code, and the
   next step's code predictor draws its residual codes; one frame of ``num_code_groups`` codes goes to code2wav
   per step. It starts when the thinker has finished: the whole model projects the assistant's text in one
   batch, and projecting rows as they arrive rounds differently (measured on CPU: rows of fewer than four),
@@ -20,23 +24,23 @@ upstream frames, one request at a time, cancellation checked at every step):
   streamed: chunks of ``stream_chunk`` codes as they arrive, each with ``left_context`` codes before it and
   one after, joined without gaps (within 1 LSB of one pass; see :data:`STREAM_CHUNK`).
 
-Audio and image input are not served on this preset (the gateway refuses them: the talker would need the
-thinker's hidden states at the placeholders, which are not streamed yet). Frame layouts:
+Video input is not served (the gateway refuses it, as on Qwen2.5-Omni). Frame layouts:
 docs/pipelines/qwen3-omni.md.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import warnings
 from typing import Any, Final
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import (
     Qwen3OmniMoeConfig,
+    Qwen3OmniMoeProcessor,
     Qwen3OmniMoeThinkerForConditionalGeneration,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -47,8 +51,10 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimodel_runtime.engines.omni.common import (
+    AUDIO_LENGTHS,
     AUDIO_META,
     CODES_KIND,
+    IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
     SAMPLE_RATE,
@@ -64,13 +70,14 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.omni.inputs import load_processor
+from omnimodel_runtime.engines.omni.talker import warm_up_talker
 from omnimodel_runtime.engines.omni.thinker import OmniThinkerEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     StageInput,
     StageParams,
-    StageRequest,
     TensorFrame,
     Usage,
 )
@@ -150,6 +157,9 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._special_ids: tuple[int, int, int] = (0, 0, 0)
+        # The thinker layer whose hidden states the talker reads at audio/image positions (the whole
+        # model's hidden_states[accept_hidden_layer]: 0 the input embeddings, N the final-normed output).
+        self._accept_layer = 0
 
     def load_part(self) -> None:
         model_dir = self.context.model_dir
@@ -168,6 +178,11 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
         self._special_ids = (config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id)
         if config.enable_audio_output:
             self._speakers = speakers(config.talker_config)
+        self._accept_layer = int(config.talker_config.accept_hidden_layer)
+        layers = int(tc.get_text_config().num_hidden_layers)
+        if not 0 <= self._accept_layer <= layers:
+            raise RuntimeError(f"talker_config.accept_hidden_layer {self._accept_layer} is not in 0..{layers}")
+        self._processor = load_processor(model_dir, Qwen3OmniMoeProcessor)
         one_at_a_time(self)
         self.loaded(tc.get_text_config())
 
@@ -176,8 +191,34 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
         assert self._speakers is not None
         return int(self._speakers[voice]["codec_id"])
 
-    def row_hook(self, job: OmniJob, stream: Any) -> Any:
-        return _EmbeddingRows(self, job, stream)
+    # The talker reads the voice as a codec id.
+    speaker_meta = "speaker_id"
+
+    def row_hooks(self, job: OmniJob, stream: Any) -> list[RemovableHandle]:
+        hooks = super().row_hooks(job, stream)
+        if job.data.get("media") is not None and 0 < self._accept_layer < len(self.text_model.layers):
+            # The talker reads that decoder layer's output (before any deepstack visual features are added
+            # to it, as the whole model records it) at the placeholders of the prompt: kept from the prefill.
+            capture = job.data["accepted"] = _Prefill()
+            hooks.append(self.text_model.layers[self._accept_layer - 1].register_forward_hook(capture))
+        return hooks
+
+    def prompt_rows(self, embeds: torch.Tensor, output: Any, job: OmniJob) -> torch.Tensor:
+        """The prompt's input embeddings (the talker projects them itself, ``text_projection``), and at
+        audio/image placeholders the hidden states of layer ``accept_hidden_layer`` (``hidden_projection``)."""
+        if job.data.get("media") is None:
+            return embeds
+        if self._accept_layer == 0:
+            hidden = embeds
+        elif self._accept_layer == len(self.text_model.layers):
+            hidden = output.last_hidden_state[0]
+        else:
+            hidden = job.data["accepted"].output[0]
+        mask = self.placeholder_mask(job.data["prompt_ids"]).unsqueeze(-1)
+        return torch.where(mask, hidden, embeds)
+
+    def reply_rows(self, embeds: torch.Tensor, output: Any) -> torch.Tensor:
+        return embeds
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The ``tts_bos``, ``tts_eos`` and ``tts_pad`` embeddings (thinker ``embed_tokens`` rows)."""
@@ -186,29 +227,16 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
         return rows
 
 
-class _EmbeddingRows:
-    """Forward hook on the thinker's text model: the step's input embeddings as talker rows."""
+class _Prefill:
+    """Forward hook keeping a module's output of its first call (the prefill's)."""
 
-    def __init__(self, engine: Qwen3ThinkerEngine, job: OmniJob, stream: Any) -> None:
-        self.engine = engine
-        self.job = job
-        self.stream = stream
-        self.prefilled = False
+    def __init__(self) -> None:
+        self.output: torch.Tensor | None = None
 
-    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        embeds: torch.Tensor = kwargs["inputs_embeds"][0]
-        rows, dtype = rows_to_wire(embeds)
-        if not self.prefilled:
-            self.prefilled = True
-            prompt_ids: list[int] = self.job.data["prompt_ids"]
-            special, _ = rows_to_wire(self.engine.special_rows(0))
-            tensors = {"prompt_rows": rows, "prompt_ids": np.array(prompt_ids, dtype=np.int64), "special_rows": special}
-            self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_id=self.job.data["speaker_bos"]))
-            return
-        token = self.stream.tokens[-1]
-        self.job.emit(
-            tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": np.array([token], dtype=np.int64)}, dtype=dtype)
-        )
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        if self.output is None:
+            # A decoder layer returns its hidden states (a tuple led by them in some releases).
+            self.output = output[0] if isinstance(output, tuple) else output
 
 
 # ---------------------------------------------------------------- talker
@@ -245,26 +273,12 @@ class Qwen3TalkerEngine(OmniEngine):
 
     async def warmup(self) -> None:
         c = self.config
-        hidden = int(c.talker_config.thinker_hidden_size)
         ids = [c.im_start_token_id, c.user_token_id, c.im_end_token_id, c.im_start_token_id, c.assistant_token_id, 0]
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        rows = np.zeros((len(ids), hidden), dtype=np.uint16 if dtype == "bfloat16" else np.float32)
-
-        async def upstream() -> Any:
-            yield tensor_frame(
-                PROMPT_KIND,
-                {"prompt_rows": rows, "prompt_ids": np.array(ids, dtype=np.int64), "special_rows": rows[:3]},
-                dtype=dtype,
-                speaker_id=next(iter(c.talker_config.speaker_id.values())),
-            )
-            yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        hidden = int(c.talker_config.thinker_hidden_size)
+        rows, dtype = rows_to_wire(torch.zeros((len(ids), hidden), dtype=self.model.dtype))
+        tensors = {"prompt_rows": rows, "prompt_ids": np.array(ids, dtype=np.int64), "special_rows": rows[:3]}
+        speaker = next(iter(c.talker_config.speaker_id.values()))
+        await warm_up_talker(self, tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_id=speaker))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
@@ -329,8 +343,9 @@ class Qwen3TalkerEngine(OmniEngine):
         job.emit(FinalFrame(criterion.reason, Usage(prompt_tokens=prompt_len, completion_tokens=criterion.count)))
 
     def inputs(self, prompt: TensorFrame, replies: list[TensorFrame]) -> dict[str, torch.Tensor]:
-        """The whole model's talker inputs (its ``generate()`` steps 2, batch of one) from the thinker's
-        embedding rows of the prompt and of every consumed reply token."""
+        """The whole model's talker inputs (its ``generate()`` steps 2, batch of one) from the thinker's rows
+        of the prompt (input embeddings; at audio/image placeholders layer ``accept_hidden_layer``'s hidden
+        states) and of every consumed reply token (input embeddings)."""
         c, tc, model, device = self.config, self.config.talker_config, self.model, self.device
         dtype = str(prompt.meta.get("dtype", "float32"))
 
@@ -338,10 +353,6 @@ class Qwen3TalkerEngine(OmniEngine):
             return rows_from_wire(frame.tensors[name], dtype, device).to(model.dtype)
 
         prompt_ids = torch.from_numpy(np.array(prompt.tensors["prompt_ids"], dtype=np.int64)).to(device)
-        if torch.isin(
-            prompt_ids, torch.tensor([tc.audio_token_id, tc.image_token_id, tc.video_token_id], device=device)
-        ).any():
-            raise StageError("the qwen3-omni talker does not take audio, image or video placeholders", status=400)
         thinker_embed = torch.cat([rows(prompt, "prompt_rows"), *(rows(f, "rows") for f in replies)]).unsqueeze(0)
         reply_ids = [int(f.tensors["token_ids"][0]) for f in replies]
         input_ids = prompt_ids.unsqueeze(0)
@@ -352,8 +363,18 @@ class Qwen3TalkerEngine(OmniEngine):
         previous = torch.cummax(starts, dim=-1).values.clamp_min(0)
         roles = input_ids.gather(1, (previous + 1).clamp_max(length - 1))
         user_mask = (roles == c.user_token_id)[0]
-        # Projected as the whole model projects them: every (text) prompt position in one (L, H) batch.
-        user_embeds = model.text_projection(thinker_embed[0, :length])[user_mask].unsqueeze(0)
+        # Projected as the whole model projects them: the multimodal positions' hidden states in one batch
+        # through hidden_projection, every other prompt position's embedding in one through text_projection
+        # (a Linear's rounding can depend on its batch: docs/pipelines/qwen3-omni.md).
+        media = torch.isin(
+            prompt_ids, torch.tensor([tc.audio_token_id, tc.image_token_id, tc.video_token_id], device=device)
+        )
+        prompt_rows = thinker_embed[0, :length]
+        projected = torch.empty((length, tc.text_config.hidden_size), device=device, dtype=model.dtype)
+        if media.any():
+            projected[media] = model.hidden_projection(prompt_rows[media])
+        projected[~media] = model.text_projection(prompt_rows[~media])
+        user_embeds = projected[user_mask].unsqueeze(0)
         user_ids = input_ids[:, user_mask]
         # The assistant turn being answered: its <|im_start|>assistant\n, then the reply.
         starts_at = torch.nonzero(
@@ -399,12 +420,19 @@ class Qwen3TalkerEngine(OmniEngine):
         ids = torch.cat(
             (user_ids, torch.full((1, text_part.shape[1]), c.tts_pad_token_id, dtype=torch.long, device=device)), dim=1
         )
+        # The talker's M-RoPE positions of the media: each audio's feature length, each image's patch grid.
+        grids = {
+            name: torch.from_numpy(np.array(prompt.tensors[name], dtype=np.int64)).to(device)
+            for name in (AUDIO_LENGTHS, IMAGE_GRID)
+            if name in prompt.tensors
+        }
         return {
             "inputs_embeds": embeds,
             "trailing_text_hidden": trailing,
             "tts_pad_embed": tts_pad,
             "talker_input_ids": ids,
             "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=device),
+            **grids,
         }
 
 
@@ -454,17 +482,8 @@ class Qwen3Code2WavEngine(OmniEngine):
         one_at_a_time(self)
 
     async def warmup(self) -> None:
-        groups = int(self.model.config.num_quantizers)
-
-        async def upstream() -> Any:
-            yield tensor_frame(CODES_KIND, {"codes": np.zeros(groups, dtype=np.int64)})
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(audio_chunked=False)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        codes = tensor_frame(CODES_KIND, {"codes": np.zeros(int(self.model.config.num_quantizers), dtype=np.int64)})
+        await self.warm_up_on([codes], StageParams(audio_chunked=False))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:

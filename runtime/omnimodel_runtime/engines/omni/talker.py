@@ -15,7 +15,6 @@ code2wav, whose diffusion noise continues the same stream, as it does in the who
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,12 +41,16 @@ from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     RNG_KIND,
+    USE_AUDIO_IN_VIDEO,
+    VIDEO_GRID,
+    VIDEO_SECONDS,
     RngTurn,
     generation_overrides,
     load_config,
     load_part,
     request_seed,
     rows_from_wire,
+    rows_to_wire,
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
@@ -59,7 +62,6 @@ from omnimodel_runtime.protocol.stage import (
     ResponseFrame,
     StageInput,
     StageParams,
-    StageRequest,
     TensorFrame,
     Usage,
 )
@@ -75,6 +77,14 @@ TALKER_DEFAULTS: dict[str, Any] = {
     "temperature": 0.9,
     "repetition_penalty": 1.05,
 }
+
+
+async def warm_up_talker(engine: OmniEngine, prompt: TensorFrame) -> None:
+    """Warm a talker up on ``prompt`` (made-up rows will do) and one reply row, for two codes: every
+    module of a request's path runs once, prefill and decode."""
+    reply = {"rows": prompt.tensors["prompt_rows"][:1], "token_ids": np.zeros(1, dtype=np.int64)}
+    frames = [prompt, tensor_frame(REPLY_KIND, reply, dtype=prompt.meta["dtype"])]
+    await engine.warm_up_on(frames, StageParams(talker_max_new_tokens=2))
 
 
 class OmniTalkerEngine(OmniEngine):
@@ -109,31 +119,9 @@ class OmniTalkerEngine(OmniEngine):
             self._load_slots()
 
     async def warmup(self) -> None:
-        hidden = int(self.model.config.embedding_size)
-        rows = np.zeros((2, hidden), dtype=np.float32)
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        if dtype == "bfloat16":
-            rows = rows.astype(np.uint16)
-
-        async def upstream() -> Any:
-            yield tensor_frame(
-                PROMPT_KIND,
-                {
-                    "prompt_rows": rows,
-                    "prompt_ids": np.zeros(2, dtype=np.int64),
-                    "special_rows": np.concatenate([rows, rows[:1]]),
-                },
-                dtype=dtype,
-                speaker_bos_token=0,
-            )
-            yield tensor_frame(REPLY_KIND, {"rows": rows[:1], "token_ids": np.zeros(1, dtype=np.int64)}, dtype=dtype)
-            yield FinalFrame("stop")
-
-        request = StageRequest(
-            request_id=f"warmup-{secrets.token_hex(4)}", prompt="", params=StageParams(talker_max_new_tokens=2)
-        )
-        async for _ in self.generate(StageInput(request=request, upstream=upstream())):
-            pass
+        rows, dtype = rows_to_wire(torch.zeros((2, int(self.model.config.embedding_size)), dtype=self.model.dtype))
+        tensors = {"prompt_rows": rows, "prompt_ids": np.zeros(2, dtype=np.int64), "special_rows": rows[[0, 1, 0]]}
+        await warm_up_talker(self, tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_bos_token=0))
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         if inp.upstream is None:
@@ -197,11 +185,15 @@ class OmniTalkerEngine(OmniEngine):
         criterion = _Codes(
             self, job, turn, eos=set(generation["eos_token_id"]), limit=int(generation["max_new_tokens"])
         )
-        media = {
+        media: dict[str, Any] = {
             name: torch.from_numpy(np.array(prompt.tensors[name], dtype=np.int64)).to(self.device)
-            for name in (AUDIO_LENGTHS, IMAGE_GRID)
+            for name in (AUDIO_LENGTHS, IMAGE_GRID, VIDEO_GRID)
             if name in prompt.tensors
         }
+        if VIDEO_SECONDS in prompt.tensors:
+            seconds = np.array(prompt.tensors[VIDEO_SECONDS], dtype=np.float32)
+            media[VIDEO_SECONDS] = torch.from_numpy(seconds).to(self.device)
+        media[USE_AUDIO_IN_VIDEO] = bool(prompt.meta.get(USE_AUDIO_IN_VIDEO, False))
         return _Call(
             media=media,
             input_ids=input_ids,
@@ -229,7 +221,6 @@ class OmniTalkerEngine(OmniEngine):
                 attention_mask=torch.ones((1, call.prompt_len), dtype=torch.long, device=self.device),
                 suppress_tokens=[model.codec_bos_token],
                 pad_token_id=model.codec_pad_token,
-                use_audio_in_video=False,
                 stopping_criteria=StoppingCriteriaList([call.criterion]),
                 **call.media,
                 **{**call.generation, **extra},
@@ -410,8 +401,9 @@ class OmniTalkerEngine(OmniEngine):
 class _Call:
     """What ``generate()`` gets for one request, and what its decode steps continue from."""
 
-    # The prompt's audio feature lengths and image grids (its M-RoPE positions), when it has media.
-    media: dict[str, torch.Tensor]
+    # What the prompt's M-RoPE positions depend on: audio feature lengths, image and video grids, a
+    # video's seconds per temporal patch, whether its audio is interleaved (``use_audio_in_video``).
+    media: dict[str, Any]
     input_ids: torch.Tensor
     text_ids: torch.Tensor
     inputs_embeds: torch.Tensor

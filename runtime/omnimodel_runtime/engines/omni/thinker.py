@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import (
     AutoTokenizer,
     LogitsProcessor,
@@ -49,6 +50,9 @@ from omnimodel_runtime.engines.omni.common import (
     IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
+    USE_AUDIO_IN_VIDEO,
+    VIDEO_GRID,
+    VIDEO_SECONDS,
     RngTurn,
     Speakers,
     load_config,
@@ -246,24 +250,24 @@ class OmniThinkerEngine(OmniEngine):
 
     async def admit(self, inp: StageInput, job: OmniJob) -> None:
         if inp.request.media:
-            # Decoding, resampling and feature extraction take a while (the released feature extractor
-            # pads every clip to 300 s): on a thread, not on the event loop.
+            # Decoding, resampling, feature extraction and frame resizing take a while (the released
+            # feature extractor pads every clip to 300 s): on a thread, not on the event loop.
             job.data["media"] = await asyncio.to_thread(self._media_prompt, inp)
         self.prepare(inp, job)
 
     def _media_prompt(self, inp: StageInput) -> dict[str, Any]:
-        """The prompt of a request with audio or images: its token ids (each placeholder expanded to one
-        token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
+        """The prompt of a request with audio, images or video: its token ids (each placeholder expanded
+        to one token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
         request = inp.request
         if self._processor is None:
             raise StageError(
-                "this checkpoint ships no processor config (preprocessor_config.json): audio and image "
-                "input are not available",
+                "this checkpoint ships no processor config (preprocessor_config.json): audio, image and "
+                "video input are not available",
                 status=400,
                 param=request.media[0].param,
             )
         rate = int(self._processor.feature_extractor.sampling_rate)
-        decoded = decode(request, inp.tensors, rate)
+        decoded = decode(request, inp.tensors, rate, self._processor.video_processor)
         with self._processor_lock:
             try:
                 text = self._processor.tokenizer.apply_chat_template(
@@ -275,7 +279,7 @@ class OmniThinkerEngine(OmniEngine):
         prompt_ids: list[int] = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask", None)
         check_token_ids(prompt_ids, self._vocab)
-        return {"prompt_ids": prompt_ids, "inputs": inputs}
+        return {"prompt_ids": prompt_ids, "inputs": inputs, USE_AUDIO_IN_VIDEO: decoded.use_audio_in_video}
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
@@ -338,7 +342,7 @@ class OmniThinkerEngine(OmniEngine):
         criterion = _Stream(self, job, sampling, turn)
         hooks = []
         if job.data["audio"]:
-            hooks.append(self.text_model.register_forward_hook(self.row_hook(job, criterion), with_kwargs=True))
+            hooks.extend(self.row_hooks(job, criterion))
         if turn is not None:
             hooks.append(self.model.register_forward_hook(lambda *_: turn.begin()))
         limit = sampling.max_tokens if max_new_tokens is None else min(max_new_tokens, sampling.max_tokens)
@@ -353,12 +357,14 @@ class OmniThinkerEngine(OmniEngine):
         if reply is not None:
             kwargs["logits_processor"] = LogitsProcessorList([_Force(reply, len(prompt_ids))])
         kwargs.update(self._media_kwargs(job))
+        media = job.data.get("media")
         try:
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                # The whole model passes this to every part; it only matters for video input.
-                use_audio_in_video=False,
+                # The whole model passes this to every part: a video's audio interleaved with its frames
+                # shifts the M-RoPE positions of both.
+                use_audio_in_video=bool(media and media[USE_AUDIO_IN_VIDEO]),
                 stopping_criteria=StoppingCriteriaList([criterion]),
                 **kwargs,
             )
@@ -370,14 +376,17 @@ class OmniThinkerEngine(OmniEngine):
         return out, criterion, turn
 
     def _media_kwargs(self, job: OmniJob) -> dict[str, torch.Tensor]:
-        """The encoders' inputs of a request with media (features and pixels in the model's dtype)."""
+        """The encoders' inputs of a request with media (features and pixels in the model's dtype; a
+        video's seconds per temporal patch as the processor gave them, as the whole model takes them: they
+        scale M-RoPE time positions, which bfloat16 would round)."""
         media = job.data.get("media")
         if media is None:
             return {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in media["inputs"].items():
             moved = tensor.to(self.device)
-            out[name] = moved.to(self.dtype) if moved.is_floating_point() else moved
+            cast = moved.is_floating_point() and name != VIDEO_SECONDS
+            out[name] = moved.to(self.dtype) if cast else moved
         return out
 
     def run(self, job: OmniJob) -> None:
@@ -521,9 +530,13 @@ class OmniThinkerEngine(OmniEngine):
 
     # ------------------------------------------------------------ rows for the talker
 
-    def row_hook(self, job: OmniJob, stream: _Stream) -> Any:
-        """The forward hook on :attr:`text_model` that streams ``job``'s rows to the talker."""
-        return _RowHook(self, job, stream)
+    # The prompt frame's meta key of the voice's id (``job.data["speaker_bos"]``), as the talker reads it.
+    speaker_meta: str = "speaker_bos_token"
+
+    def row_hooks(self, job: OmniJob, stream: _Stream) -> list[RemovableHandle]:
+        """The forward hooks that stream ``job``'s rows to the talker during its ``generate()`` (which
+        removes them): one on :attr:`text_model`."""
+        return [self.text_model.register_forward_hook(_RowHook(self, job, stream), with_kwargs=True)]
 
     @property
     def text_model(self) -> Any:
@@ -533,6 +546,19 @@ class OmniThinkerEngine(OmniEngine):
         attribute, the hook saw ``inputs_embeds=None``: "'NoneType' object is not subscriptable")."""
         inner = self.model.model
         return getattr(inner, "language_model", inner)
+
+    def prompt_rows(self, embeds: torch.Tensor, output: Any, job: OmniJob) -> torch.Tensor:
+        """The talker's rows of the prompt from the prefill's input embeddings and the text model's output:
+        embedding + final-normed hidden state (embeddings zeroed at the placeholders: the talker must not
+        see the audio/image features, only their positions)."""
+        embeds = embeds.masked_fill(self.placeholder_mask(job.data["prompt_ids"]).unsqueeze(-1), 0.0)
+        rows: torch.Tensor = output.last_hidden_state[0] + embeds
+        return rows
+
+    def reply_rows(self, embeds: torch.Tensor, output: Any) -> torch.Tensor:
+        """The talker's row of one consumed reply token: embedding + final-normed hidden state."""
+        rows: torch.Tensor = output.last_hidden_state[0] + embeds
+        return rows
 
     def special_rows(self, speaker_bos: int) -> torch.Tensor:
         """The talker's speaker-bos, text-end and text-pad embeddings (thinker ``embed_tokens`` rows)."""
@@ -547,15 +573,18 @@ class OmniThinkerEngine(OmniEngine):
 
 def talker_media(media: dict[str, Any] | None) -> dict[str, np.ndarray]:
     """What the talker's M-RoPE needs of a request's media (the whole model passes it the same): each
-    audio's feature length and each image's patch grid."""
+    audio's feature length, each image's and video's patch grid, each video's seconds per temporal patch."""
     if media is None:
         return {}
     inputs: dict[str, torch.Tensor] = media["inputs"]
     out: dict[str, np.ndarray] = {}
     if "feature_attention_mask" in inputs:
         out[AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=-1).to(torch.int64).numpy()
-    if "image_grid_thw" in inputs:
-        out[IMAGE_GRID] = inputs["image_grid_thw"].to(torch.int64).numpy()
+    for grid in (IMAGE_GRID, VIDEO_GRID):
+        if grid in inputs:
+            out[grid] = inputs[grid].to(torch.int64).numpy()
+    if VIDEO_SECONDS in inputs:
+        out[VIDEO_SECONDS] = inputs[VIDEO_SECONDS].to(torch.float32).numpy()
     return out
 
 
@@ -646,7 +675,9 @@ class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped 
 
 
 class _RowHook:
-    """Forward hook on the thinker's text model: turns each step into talker rows."""
+    """Forward hook on the thinker's text model: turns each step into talker rows, the ones the engine's
+    family sends (:meth:`OmniThinkerEngine.prompt_rows` after the prefill, then
+    :meth:`OmniThinkerEngine.reply_rows` for each decode step)."""
 
     def __init__(self, engine: OmniThinkerEngine, job: OmniJob, stream: _Stream) -> None:
         self.engine = engine
@@ -656,21 +687,25 @@ class _RowHook:
 
     def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         embeds: torch.Tensor = kwargs["inputs_embeds"][0]
-        hidden: torch.Tensor = output.last_hidden_state[0]
         if not self.prefilled:
             self.prefilled = True
-            prompt_ids: list[int] = self.job.data["prompt_ids"]
-            # The talker must not see the audio/image features, only their positions.
-            embeds = embeds.masked_fill(self.engine.placeholder_mask(prompt_ids).unsqueeze(-1), 0.0)
-            rows, dtype = rows_to_wire(hidden + embeds)
-            special, _ = rows_to_wire(self.engine.special_rows(self.job.data["speaker_bos"]))
-            tensors = {"prompt_rows": rows, "prompt_ids": torch.tensor(prompt_ids).numpy(), "special_rows": special}
-            tensors.update(talker_media(self.job.data.get("media")))
-            self.job.emit(
-                tensor_frame(PROMPT_KIND, tensors, dtype=dtype, speaker_bos_token=self.job.data["speaker_bos"])
-            )
+            data = self.job.data
+            rows, dtype = rows_to_wire(self.engine.prompt_rows(embeds, output, self.job))
+            special, _ = rows_to_wire(self.engine.special_rows(data["speaker_bos"]))
+            tensors = {
+                "prompt_rows": rows,
+                "prompt_ids": np.array(data["prompt_ids"], dtype=np.int64),
+                "special_rows": special,
+            }
+            media = data.get("media")
+            tensors.update(talker_media(media))
+            meta = {
+                self.engine.speaker_meta: data["speaker_bos"],
+                USE_AUDIO_IN_VIDEO: bool(media and media.get(USE_AUDIO_IN_VIDEO)),
+            }
+            self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, **meta))
             return
         # A decode step's input is the token sampled last; its row is what talker step t needs.
-        rows, dtype = rows_to_wire(hidden + embeds)
-        token = self.stream.tokens[-1]
-        self.job.emit(tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": torch.tensor([token]).numpy()}, dtype=dtype))
+        rows, dtype = rows_to_wire(self.engine.reply_rows(embeds, output))
+        token = np.array([self.stream.tokens[-1]], dtype=np.int64)
+        self.job.emit(tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": token}, dtype=dtype))

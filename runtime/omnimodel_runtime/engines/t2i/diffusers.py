@@ -32,6 +32,11 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   ``cache: first_block`` (``cache_threshold``, default 0.08) is diffusers' First-Block Cache instead:
   it skips the remaining blocks of a step whose first block's output barely changed (adaptive; with
   random weights it rarely triggers).
+- ``attention: cudnn`` (or ``flash``, ``efficient``; default ``native``) pins the transformer's attention to
+  one of PyTorch's scaled-dot-product kernels (diffusers' ``set_attention_backend``: ``_native_cudnn``,
+  ``_native_flash``, ``_native_efficient``) instead of letting PyTorch pick per call (its flash kernel
+  takes no mask, so ``cfg_batch`` with prompts of different lengths gets another one). A kernel that
+  cannot serve a call fails it; bench/t2i_speed.py measures what each one buys.
 - ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
   ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
   the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
@@ -94,6 +99,10 @@ DEFAULT_BATCH_WAIT: Final = 0.25
 DEFAULT_MAX_BATCH: Final = 8
 
 LATENTS: Final = "latents"
+# Graphs dynamo may keep for the compiled block (shape families: size x batch x prompt length at worst).
+RECOMPILE_LIMIT: Final = 64
+# engine_args.attention -> diffusers' attention backend (PyTorch's scaled-dot-product kernels, pinned).
+ATTENTION_BACKENDS: Final = {"cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}
 
 
 # Loading builds modules on the meta device through process-global patches (accelerate's
@@ -283,13 +292,27 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             else:
                 raise ValueError(f"engine_args.cache must be taylorseer, first_block or none, not {cache!r}")
             transformer.enable_cache(config)
+        attention = args.get("attention")
+        if attention not in (None, "", "native"):
+            if attention not in ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"engine_args.attention must be one of native, {', '.join(ATTENTION_BACKENDS)}, not {attention!r}"
+                )
+            transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
         mode = args.get("compile")
         if mode not in (None, "", "none"):
             if mode != "regional":
                 raise ValueError(f"engine_args.compile must be regional or none, not {mode!r}")
-            transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
-        if cache not in (None, "", "none") or mode not in (None, "", "none"):
-            log.info("Transformer of stage %s: compile=%s cache=%s", self.stage.name, mode, cache)
+            # Shapes vary by request: the prompt's token count, the batch, the image size. dynamic=None lets
+            # dynamo compile a shape-generic graph when a dimension changes (a second prompt length, say)
+            # instead of one graph per shape; with dynamic=False every new prompt length cost a compile and
+            # the ninth failed the request (fullgraph: FailOnRecompileLimitHit, seen on the H200).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            transformer.compile_repeated_blocks(fullgraph=True, dynamic=None)
+        if any(value not in (None, "", "none", "native") for value in (cache, mode, attention)):
+            log.info(
+                "Transformer of stage %s: compile=%s cache=%s attention=%s", self.stage.name, mode, cache, attention
+            )
 
     def _dummy_inputs(self, side: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         assert self._family is not None

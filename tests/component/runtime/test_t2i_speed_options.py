@@ -1,0 +1,111 @@
+"""The text-to-image engine's speed options (``engine_args``: ``attention``, ``cache``) on the tiny Qwen-Image
+pipeline on CPU, applied by the engine's own code to diffusers' pipeline: what each one changes, and that
+it is refused by name when misspelt. (``compile: regional`` and ``cfg_batch`` have their GPU figures in
+bench/README.md; ``cfg_batch`` is tested through the engine in test_t2i_engine.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from stage_engines import diffusers_pipeline
+
+from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+
+pytestmark = pytest.mark.engine
+
+STEPS = 10
+PROMPT = "a red fox in the snow"
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_t2i: Path) -> Any:
+    return diffusers_pipeline("QwenImagePipeline", tiny_t2i, dtype=torch.float32)
+
+
+def speed_up(pipe: Any, **engine_args: Any) -> None:
+    """The engine's own ``_speed_up`` for these engine_args, on ``pipe`` (what the engine does at load)."""
+    stage = SimpleNamespace(engine_args=engine_args, name="t2i")
+    DiffusersImageEngine._speed_up(SimpleNamespace(context=SimpleNamespace(stage=stage), stage=stage), pipe)  # type: ignore[arg-type]
+
+
+def image(pipe: Any) -> np.ndarray:
+    out = pipe(
+        PROMPT,
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        width=64,
+        height=64,
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(3),
+    ).images[0]
+    return np.asarray(out).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def exact(pipe: Any) -> np.ndarray:
+    return image(pipe)
+
+
+@pytest.fixture
+def block_calls(pipe: Any) -> Iterator[list[int]]:
+    """How many times the first transformer block's attention computed (its query projection ran: TaylorSeer
+    hooks the attention module itself and answers predicted steps without running its insides)."""
+    calls: list[int] = []
+    hook = pipe.transformer.transformer_blocks[0].attn.to_q.register_forward_hook(lambda *_: calls.append(1))
+    yield calls
+    hook.remove()
+
+
+def test_a_pinned_attention_kernel_draws_the_same_image(pipe: Any, exact: np.ndarray) -> None:
+    # On CPU PyTorch's own choice for these unmasked fp32 calls is its flash kernel; pinning it changes nothing.
+    speed_up(pipe, attention="flash")
+    try:
+        assert {type(p).__name__ for p in pipe.transformer.attn_processors.values()}  # the processors stay
+        assert np.array_equal(image(pipe), exact)
+    finally:
+        pipe.transformer.set_attention_backend("native")
+
+
+def test_a_pinned_kernel_that_cannot_serve_the_call_fails_it(pipe: Any) -> None:
+    # cuDNN's attention exists on CUDA only: the engine does not fall back quietly to another kernel.
+    speed_up(pipe, attention="cudnn")
+    try:
+        with pytest.raises(RuntimeError):
+            image(pipe)
+    finally:
+        pipe.transformer.set_attention_backend("native")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"attention": "sage"}, "engine_args.attention"),
+        ({"cache": "teacache"}, "engine_args.cache"),
+        ({"compile": "full"}, "engine_args.compile"),
+    ],
+)
+def test_a_misspelt_speed_option_is_refused_by_name(pipe: Any, args: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        speed_up(pipe, **args)
+
+
+def test_taylorseer_skips_block_steps_and_stays_near_the_exact_image(
+    pipe: Any, exact: np.ndarray, block_calls: list[int]
+) -> None:
+    speed_up(pipe, cache="taylorseer", cache_interval=3, cache_warmup=3)
+    try:
+        cached = image(pipe)
+    finally:
+        pipe.transformer.disable_cache()
+    # True CFG: two transformer calls a step. Steps 0-2 run the blocks, then every third one does (diffusers
+    # 0.42: steps 5 and 8 of 10), so about half of the block work is skipped.
+    assert 2 * 3 <= len(block_calls) <= STEPS
+    diff = np.abs(cached - exact)
+    assert diff.max() > 0  # the skipped steps are predicted, not computed
+    assert diff.max() <= 2, f"max pixel difference {diff.max()}"  # measured: 1 (mean 0.12) of 255
