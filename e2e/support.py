@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,9 +13,10 @@ from typing import Any
 import httpx
 import yaml
 
+from omnimodel_testbed import procs
 from omnimodel_testbed.kubeapi import KubeAPI
 from omnimodel_testbed.kubelet import PodRunner
-from omnimodel_testbed.pytest_plugin import ClusterHandle, kubectl_binary
+from omnimodel_testbed.pytest_plugin import ClusterHandle
 from omnimodel_testbed.volumes import claim_volume
 
 REPO = Path(__file__).parents[1]
@@ -81,14 +80,7 @@ def stage_requests(url: str) -> float:
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25, what: str = "") -> Any:
     """Poll until ``predicate`` returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
+    return procs.poll(predicate, timeout=timeout, what=what or repr(predicate), interval=interval)
 
 
 class Operator:
@@ -106,9 +98,9 @@ class Operator:
 
     def start(self) -> None:
         self.starts += 1
-        port = _free_port()
+        port = procs.free_port()
         # Its own free port, not the default 8081: another operator (test_chart's) may run meanwhile.
-        self.metrics_port = _free_port()
+        self.metrics_port = procs.free_port()
         log_path = self.log_dir / f"operator-{self.starts}.log"
         env = {
             **os.environ,
@@ -151,20 +143,8 @@ class Operator:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        if self.proc is not None:
+            procs.terminate(self.proc, grace=20)
 
 
 class Kube:
@@ -176,17 +156,7 @@ class Kube:
         self.volumes: list[str] = []  # cluster-scoped: deleted by the fixture, not with the namespace
 
     def run(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        cmd = [*args, "-n", self.ns]
-        if stdin is None:
-            return self.cluster.kubectl(*cmd, check=check)
-        return subprocess.run(
-            [kubectl_binary(), f"--kubeconfig={self.cluster.kubeconfig}", *cmd],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=60,
-        )
+        return self.cluster.kubectl(*args, "-n", self.ns, check=check, stdin=stdin)
 
     def apply(self, manifest: dict[str, Any] | str, check: bool = True) -> subprocess.CompletedProcess[str]:
         text = manifest if isinstance(manifest, str) else json.dumps(manifest)

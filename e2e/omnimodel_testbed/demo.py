@@ -446,15 +446,11 @@ class _Inside:
             raise StepError(f"the operator exited with {self.operator.proc.returncode}; see {self.operator.log}")
 
     def poll(self, what: str, predicate: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
+        def checked() -> T | None:
             self.check_pods()
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise StepError(f"timed out after {timeout:.0f}s waiting for {what}")
-            time.sleep(interval)
+            return predicate()
+
+        return procs.poll(checked, timeout=timeout, what=what, interval=interval, error=StepError)
 
     # ------------------------------------------------------------------------------------ steps
     def steps(self) -> None:

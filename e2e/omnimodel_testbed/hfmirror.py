@@ -25,7 +25,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -64,16 +63,7 @@ def setup_script() -> Path:
 @functools.cache
 def ensure_env() -> Path:
     """Directory of the mirror's environment, building it first if needed (about a minute, cold)."""
-    proc = subprocess.run(
-        ["bash", str(setup_script())], stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        raise HubMirrorError(f"{setup_script()} failed with exit code {proc.returncode}")
-    env = Path(lines[-1])
-    if not (env / "bin" / "python").exists():
-        raise HubMirrorError(f"{env} has no bin/python")
-    return env
+    return procs.setup_env(setup_script(), "bin/python", HubMirrorError)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ every operator process on this host would otherwise share them.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -19,16 +18,10 @@ from typing import Any
 
 import yaml
 
+from . import procs
 from .kubeapi import http_get
 
 __all__ = ["ChartOperator", "service_account_kubeconfig"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def service_account_kubeconfig(admin_kubeconfig: Path, token: str, path: Path) -> Path:
@@ -72,7 +65,7 @@ class ChartOperator:
         own_session: bool = False,
     ) -> None:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        self.port = _free_port()
+        self.port = procs.free_port()
         command = [*container["command"], *container["args"]]
         # Same program from this venv; the liveness endpoint moves to a free loopback port.
         command[0] = str((bin_dir or Path(sys.executable).parent) / command[0])
@@ -82,7 +75,7 @@ class ChartOperator:
         env = {e["name"]: e["value"] for e in container.get("env", [])}
         env["OMNIMODEL_HEALTH_PORT"] = str(self.port)
         # The pod's metrics port would be shared by every operator process on this host.
-        self.metrics_port = _free_port()
+        self.metrics_port = procs.free_port()
         env["OMNIMODEL_METRICS_PORT"] = str(self.metrics_port)
         self.env = env
         self.command = command
@@ -115,10 +108,4 @@ class ChartOperator:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 20 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        procs.terminate(self.proc, grace=20)

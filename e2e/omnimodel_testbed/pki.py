@@ -115,31 +115,21 @@ def _name(cn: str, org: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def _issue(
-    *,
-    subject: x509.Name,
-    key: ec.EllipticCurvePrivateKey,
-    ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
-    server_names: list[str] | None = None,
-    server_ips: list[str] | None = None,
-    client: bool = False,
-) -> x509.Certificate:
+def _builder(
+    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, *, ca: bool
+) -> x509.CertificateBuilder:
+    """The part a CA's and a leaf's certificate share: ``key``'s, valid from a little before now; a CA's
+    key signs certificates and CRLs, a leaf's only signs (its handshakes)."""
     now = _dt.datetime.now(_dt.UTC)
-    usages = []
-    if server_names or server_ips:
-        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-    if client:
-        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
-    builder = (
+    return (
         x509.CertificateBuilder()
         .subject_name(subject)
-        .issuer_name(ca_cert.subject)
+        .issuer_name(issuer)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(now + _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,
@@ -147,13 +137,36 @@ def _issue(
                 key_encipherment=False,
                 data_encipherment=False,
                 key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
                 encipher_only=False,
                 decipher_only=False,
             ),
             critical=True,
         )
+    )
+
+
+def _issue(
+    key_path: Path,
+    cert_path: Path,
+    *,
+    subject: x509.Name,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    server_names: list[str] | None = None,
+    server_ips: list[str] | None = None,
+    client: bool = False,
+) -> None:
+    """A new key, and a certificate for it that the CA signs, written to ``key_path`` and ``cert_path``."""
+    key = _new_key()
+    usages = []
+    if server_names or server_ips:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if client:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
+    builder = (
+        _builder(subject, ca_cert.subject, key, ca=False)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
@@ -164,39 +177,21 @@ def _issue(
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips or []]
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(ca_key, hashes.SHA256())
+    _write_key(key_path, key)
+    _write_cert(cert_path, builder.sign(ca_key, hashes.SHA256()))
 
 
-def _new_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    now = _dt.datetime.now(_dt.UTC)
+def _new_ca(cn: str, key_path: Path, cert_path: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new self-signed CA named ``cn``, written to ``key_path`` and ``cert_path``; returns its key and cert."""
     key = _new_key()
     subject = _name(cn)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _BACKDATE)
-        .not_valid_after(now + _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        _builder(subject, subject, key, ca=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
+    _write_key(key_path, key)
+    _write_cert(cert_path, cert)
     return key, cert
 
 
@@ -212,14 +207,12 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
     directory.mkdir(parents=True, exist_ok=True)
     pki = PKI.at(directory)
 
-    ca_key, ca_cert = _new_ca("omnimodel-testbed-ca")
-    _write_key(pki.ca_key, ca_key)
-    _write_cert(pki.ca_cert, ca_cert)
+    ca_key, ca_cert = _new_ca("omnimodel-testbed-ca", pki.ca_key, pki.ca_cert)
 
-    api_key = _new_key()
-    api_cert = _issue(
+    _issue(
+        pki.apiserver_key,
+        pki.apiserver_cert,
         subject=_name("kube-apiserver"),
-        key=api_key,
         ca_cert=ca_cert,
         ca_key=ca_key,
         server_names=[
@@ -231,19 +224,14 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
         ],
         server_ips=["127.0.0.1", service_ip],
     )
-    _write_key(pki.apiserver_key, api_key)
-    _write_cert(pki.apiserver_cert, api_cert)
-
-    admin_key = _new_key()
-    admin_cert = _issue(
+    _issue(
+        pki.admin_key,
+        pki.admin_cert,
         subject=_name("kubernetes-admin", "system:masters"),
-        key=admin_key,
         ca_cert=ca_cert,
         ca_key=ca_key,
         client=True,
     )
-    _write_key(pki.admin_key, admin_key)
-    _write_cert(pki.admin_cert, admin_cert)
 
     sa_key = _new_key()
     _write_key(pki.sa_key, sa_key)
@@ -255,17 +243,13 @@ def generate_pki(directory: Path, *, service_ip: str) -> PKI:
     # apiserver presents to aggregated APIs. Configuring it also stops the
     # controller-manager/scheduler logging "missing requestheader-client-ca-file"
     # several times a second.
-    fp_ca_key, fp_ca_cert = _new_ca("omnimodel-testbed-front-proxy-ca")
-    _write_key(pki.front_proxy_ca_key, fp_ca_key)
-    _write_cert(pki.front_proxy_ca_cert, fp_ca_cert)
-    fp_key = _new_key()
-    fp_cert = _issue(
+    fp_ca_key, fp_ca_cert = _new_ca("omnimodel-testbed-front-proxy-ca", pki.front_proxy_ca_key, pki.front_proxy_ca_cert)
+    _issue(
+        pki.front_proxy_client_key,
+        pki.front_proxy_client_cert,
         subject=_name(FRONT_PROXY_CLIENT),
-        key=fp_key,
         ca_cert=fp_ca_cert,
         ca_key=fp_ca_key,
         client=True,
     )
-    _write_key(pki.front_proxy_client_key, fp_key)
-    _write_cert(pki.front_proxy_client_cert, fp_cert)
     return pki

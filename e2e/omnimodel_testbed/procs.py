@@ -15,23 +15,30 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "ProcessRecord",
     "ReadinessTimeoutError",
+    "free_port",
     "free_ports",
     "is_alive",
     "log_tail",
+    "poll",
     "record",
+    "setup_env",
     "start",
     "stop",
+    "terminate",
     "wait_until",
 ]
+
+T = TypeVar("T")
 
 # Popen objects of children started by *this* interpreter, so they can be
 # reaped (otherwise they linger as zombies until we exit).
@@ -110,6 +117,11 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_port() -> int:
+    """One TCP port on 127.0.0.1 that was free a moment ago."""
+    return free_ports(1)[0]
+
+
 def start(
     name: str,
     argv: Sequence[str],
@@ -181,6 +193,19 @@ def stop(records: Sequence[ProcessRecord], *, grace: float = 10.0) -> list[Proce
     return signalled
 
 
+def terminate(proc: subprocess.Popen[Any], *, grace: float) -> int:
+    """Stop our own child ``proc``: SIGTERM, then SIGKILL if it has not exited after ``grace`` s; returns its
+    exit code (at once when it had already exited)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode
+
+
 def _reap(pid: int) -> None:
     """Collect the exit status of our own child ``pid`` once it has exited.
 
@@ -195,6 +220,19 @@ def _reap(pid: int) -> None:
         child.wait(timeout=1.0)
     if child.returncode is not None:
         del _CHILDREN[pid]
+
+
+def setup_env(script: Path, needs: str, error: type[Exception]) -> Path:
+    """Run the environment-building ``script`` (its log goes to our stderr) and return the directory it
+    prints last; raise ``error`` when it fails or that directory has no ``needs`` (a path inside it)."""
+    proc = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        raise error(f"{script} failed with exit code {proc.returncode}")
+    env = Path(lines[-1])
+    if not (env / needs).exists():
+        raise error(f"{env} has no {needs}")
+    return env
 
 
 def log_tail(path: str | Path, lines: int = 30) -> str:
@@ -242,4 +280,26 @@ def wait_until(
             detail = f" (last error: {last_exc!r})" if last_exc else ""
             logs = "".join(f"\n--- {r.name} ({r.log}) ---\n{log_tail(r.log)}" for r in watch)
             raise ReadinessTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}{logs}")
+        time.sleep(interval)
+
+
+def poll(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    error: type[Exception] = AssertionError,
+) -> T:
+    """Call ``predicate`` every ``interval`` s until it returns something truthy, and return that; after
+    ``timeout`` s raise ``error`` naming ``what`` and the last value. Exceptions from ``predicate`` are
+    not caught (a check that fails fails at once); :func:`wait_until` is the readiness gate that retries them.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise error(f"timed out after {timeout:.0f}s waiting for {what}; last value: {value!r}")
         time.sleep(interval)

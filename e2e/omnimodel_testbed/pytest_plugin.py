@@ -44,10 +44,13 @@ class ClusterHandle:
         """helm built with the test bed (``helm --kubeconfig ...`` to target it)."""
         return self.state.helm if self.state is not None else ensure_built().path("helm")
 
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        """Run kubectl against this cluster, capturing text output."""
+    def kubectl(
+        self, *args: str, check: bool = True, timeout: float = 60.0, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster (``stdin``: text on its standard input), capturing text output."""
         return subprocess.run(
             [kubectl_binary(), f"--kubeconfig={self.kubeconfig}", *args],
+            input=stdin,
             capture_output=True,
             text=True,
             check=check,

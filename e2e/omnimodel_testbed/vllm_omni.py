@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import procs
 
 __all__ = [
     "VLLM_OMNI_CPU_ENV",
@@ -48,16 +49,7 @@ def setup_script() -> Path:
 @functools.cache
 def ensure_env() -> Path:
     """Directory of the ready vLLM-Omni environment, building it first if needed (minutes, cold)."""
-    proc = subprocess.run(
-        ["bash", str(setup_script())], stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        raise VllmOmniEnvError(f"{setup_script()} failed with exit code {proc.returncode}")
-    env = Path(lines[-1])
-    if not (env / "bin" / "vllm").exists():
-        raise VllmOmniEnvError(f"{env} has no bin/vllm")
-    return env
+    return procs.setup_env(setup_script(), "bin/vllm", VllmOmniEnvError)
 
 
 @dataclass(frozen=True)

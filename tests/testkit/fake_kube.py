@@ -131,6 +131,15 @@ class FakeKube:
         obj["status"] = copy.deepcopy(dict(status))
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
 
+    def mark_rolled_out(self) -> None:
+        """What the deployment controller reports once every pod of every Deployment is updated and available."""
+        for deploy in self.of_kind("Deployment"):
+            n = deploy["spec"].get("replicas", 1)
+            meta = deploy["metadata"]
+            status = {"observedGeneration": meta["generation"], "replicas": n, "readyReplicas": n}
+            status |= {"updatedReplicas": n, "availableReplicas": n}
+            self.set_status("Deployment", meta["namespace"], meta["name"], status)
+
     def update_as(self, manager: str, kind: str, namespace: str, name: str, change: Callable[[Manifest], None]) -> None:
         """An Update by another client (kubectl edit/set/scale): it takes over the fields it changes."""
         obj = self.find(kind, name, namespace)

@@ -46,3 +46,12 @@ def test_files_load_into_python_ssl_and_keys_are_private(tmp_path: Path) -> None
     ctx.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
     for key in (pki.ca_key, pki.apiserver_key, pki.admin_key, pki.sa_key):
         assert key.stat().st_mode & 0o077 == 0
+
+
+def test_only_the_ca_may_sign_certificates(tmp_path: Path) -> None:
+    pki = generate_pki(tmp_path, service_ip="10.96.0.1")
+    for path, ca in ((pki.ca_cert, True), (pki.apiserver_cert, False), (pki.admin_cert, False)):
+        cert = _cert(path)
+        assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is ca
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+        assert (usage.digital_signature, usage.key_cert_sign, usage.crl_sign) == (True, ca, ca)

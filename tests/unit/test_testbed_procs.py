@@ -67,3 +67,37 @@ def test_a_process_started_elsewhere_is_recorded_and_stopped_by_pid(tmp_path: Pa
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_poll_returns_the_first_truthy_value_and_names_what_it_waited_for() -> None:
+    values = iter([None, 0, "ready"])
+    assert procs.poll(lambda: next(values), timeout=10, what="ready", interval=0.01) == "ready"
+    with pytest.raises(TimeoutError, match=r"waiting for the moon; last value: \[\]"):
+        procs.poll(list, timeout=0.1, what="the moon", interval=0.01, error=TimeoutError)
+
+
+def test_terminate_kills_a_child_that_ignores_sigterm() -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    with subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # its handler is installed
+            assert procs.terminate(proc, grace=0.2) == -9
+            assert procs.terminate(proc, grace=0.2) == -9  # already gone: its exit code again
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_setup_env_returns_the_directory_printed_last(tmp_path: Path) -> None:
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "tool").touch()
+    script = tmp_path / "setup-env"
+    script.write_text(f"echo building\necho {env}\n")
+    assert procs.setup_env(script, "bin/tool", RuntimeError) == env
+    with pytest.raises(LookupError, match="has no bin/other"):
+        procs.setup_env(script, "bin/other", LookupError)
+    script.write_text("exit 3\n")
+    with pytest.raises(LookupError, match="failed with exit code 3"):
+        procs.setup_env(script, "bin/tool", LookupError)

@@ -33,17 +33,6 @@ def value(metrics: OperatorMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def mark_rolled_out(kube: FakeKube) -> None:
-    for deploy in kube.of_kind("Deployment"):
-        n = deploy["spec"].get("replicas", 1)
-        meta = deploy["metadata"]
-        kube.set_status(
-            "Deployment", meta["namespace"], meta["name"],
-            {"observedGeneration": meta["generation"], "replicas": n, "readyReplicas": n, "updatedReplicas": n,
-             "availableReplicas": n},
-        )  # fmt: skip
-
-
 # ------------------------------------------------------------------------------------- the queue
 
 
@@ -120,7 +109,7 @@ async def harness() -> AsyncIterator[Harness]:
 async def test_an_event_burst_on_children_costs_one_pass(harness: Harness) -> None:
     harness.put(example("qwen-omni.yaml"))
     await harness.settle()
-    mark_rolled_out(harness.kube)
+    harness.kube.mark_rolled_out()
     for _ in range(20):  # a rollout: many Deployment and pod events
         harness.controller.on_child("ml", "qwen-omni", "qwen-omni")
     await asyncio.sleep(0)  # the events are in before the coalescing delay runs out
@@ -161,7 +150,7 @@ async def test_a_stale_cache_writes_status_and_the_event_once(harness: Harness) 
     """The watch event of our own status write may arrive after the next pass starts."""
     harness.put(example("text-tiny.yaml"))
     await harness.settle()
-    mark_rolled_out(harness.kube)
+    harness.kube.mark_rolled_out()
     stale = harness.kube.find("OmniModel", "text-tiny", "ml")
     assert stale is not None
     harness.cache.stale[("ml", "text-tiny")] = {**stale, "status": dict(stale["status"])}
@@ -178,7 +167,7 @@ async def test_resync_of_an_unchanged_fleet_sends_no_request(harness: Harness) -
     for name in ("text-tiny.yaml", "qwen-omni.yaml", "tts.yaml"):
         harness.put(example(name))
     await harness.settle()
-    mark_rolled_out(harness.kube)
+    harness.kube.mark_rolled_out()
     assert harness.controller.resync() == 3
     await harness.settle()
     before = len(harness.kube.requests)

@@ -48,24 +48,6 @@ def ready(kube: FakeKube, name: str) -> dict[str, Any]:
     return dict(found)
 
 
-def mark_rolled_out(kube: FakeKube) -> None:
-    """What the deployment controller reports once every pod is updated and available."""
-    for deploy in kube.of_kind("Deployment"):
-        n = deploy["spec"].get("replicas", 1)
-        kube.set_status(
-            "Deployment",
-            "ml",
-            deploy["metadata"]["name"],
-            {
-                "observedGeneration": deploy["metadata"]["generation"],
-                "replicas": n,
-                "readyReplicas": n,
-                "updatedReplicas": n,
-                "availableReplicas": n,
-            },
-        )
-
-
 async def run(kube: FakeKube, name: str) -> Outcome:
     return await reconcile(kube, body(kube, name), kube.snapshot(name), SETTINGS, now)
 
@@ -96,7 +78,7 @@ async def test_first_reconcile_converges_and_second_writes_nothing(kube: FakeKub
 async def test_ready_only_when_every_deployment_is_available(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
     await run(kube, "qwen-omni")
-    mark_rolled_out(kube)
+    kube.mark_rolled_out()
     await run(kube, "qwen-omni")
     status = body(kube, "qwen-omni")["status"]
     assert ready(kube, "qwen-omni")["status"] == "True"
@@ -122,7 +104,7 @@ async def test_ready_only_when_every_deployment_is_available(kube: FakeKube) -> 
 async def test_spec_change_shows_progressing_with_the_stage_named(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
     await run(kube, "qwen-omni")
-    mark_rolled_out(kube)
+    kube.mark_rolled_out()
     await run(kube, "qwen-omni")
 
     om = kube.find("OmniModel", "qwen-omni", "ml")
@@ -226,7 +208,7 @@ async def test_a_refused_child_is_reported_and_the_others_converge(kube: FakeKub
     assert out.errors == [f"PodDisruptionBudget ml/text-tiny-llm: {refusal}"]
     assert not out.transient
     assert kube.find("Deployment", "text-tiny-llm") is not None  # the rest of the graph still converges
-    mark_rolled_out(kube)
+    kube.mark_rolled_out()
     await run(kube, "text-tiny")
     r = ready(kube, "text-tiny")
     assert (r["status"], r["reason"]) == ("False", cond.RECONCILE_ERROR)
@@ -270,7 +252,7 @@ async def test_a_name_taken_by_another_owner_is_a_conflict_and_nothing_is_taken_
 async def test_unschedulable_stage_is_named_in_status(kube: FakeKube) -> None:
     kube.put(example("qwen-omni.yaml"))
     await run(kube, "qwen-omni")
-    mark_rolled_out(kube)
+    kube.mark_rolled_out()
     kube.set_status(
         "Deployment",
         "ml",

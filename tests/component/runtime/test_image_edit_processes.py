@@ -5,7 +5,6 @@ field."""
 
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import torch
-from PIL import Image
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from runtime_procs import images_api_pixels, openai_client, random_png, running, runtime_env, serve_process
+from stage_engines import diffusers_images, diffusers_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -24,74 +22,41 @@ MODEL = "qwen-image-edit"
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def tiny_edit(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny(MODEL, model_cache)
-
-
-def _png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _images(result: Any) -> list[Image.Image]:
-    assert result.data is not None
-    return [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
-
-
 def _diffusers(model_dir: Path, image: bytes, prompt: str, *, seed: int, width: int, height: int) -> np.ndarray:
-    from diffusers import QwenImageEditPipeline
+    from PIL import Image
 
     from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor
 
-    pipe = QwenImageEditPipeline.from_pretrained(model_dir, processor=load_qwen_vl_processor(model_dir / "processor"))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipeline(
+        "QwenImageEditPipeline", model_dir, processor=load_qwen_vl_processor(model_dir / "processor")
+    )
     picture = Image.open(io.BytesIO(image)).convert("RGB")
-    out = pipe(
-        image=picture,
-        prompt=prompt,
-        width=width,
-        height=height,
-        num_inference_steps=STEPS,
-        generator=[torch.Generator().manual_seed(seed)],
-    ).images[0]
-    return np.asarray(out)
+    return diffusers_images(pipe, prompt, seed=seed, steps=STEPS, image=picture, width=width, height=height)[0]
 
 
 def test_serve_answers_the_openai_images_edit_api(tmp_path: Path, model_cache: Path, tiny_edit: Path) -> None:
-    serve = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", MODEL, "--model", f"tiny://{MODEL}"],
-        log_dir=tmp_path,
-        env=runtime_env(model_cache, OMP_NUM_THREADS=2),
-        port=free_port(),
-    )
-    source, prompt = _png(40, 56, seed=1), "make the cat blue"
+    serve = serve_process(MODEL, tmp_path, runtime_env(model_cache, OMP_NUM_THREADS=2))
+    source, prompt = random_png(40, 56, seed=1), "make the cat blue"
     with running(serve):
         serve.wait_healthy(timeout=300)
-        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(serve.url)
 
-        def edit(image: bytes, seed: int, **kw: Any) -> list[Image.Image]:
+        def edit(image: bytes, seed: int, **kw: Any) -> list[np.ndarray]:
             result = client.images.edit(
                 image=("in.png", image, "image/png"),
                 prompt=prompt,
                 extra_body={"num_inference_steps": STEPS, "seed": seed},
                 **kw,
             )
-            return _images(result)
+            return images_api_pixels(result)  # checked: PNG files
 
-        (first,) = edit(source, 7, size="48x32")
-        assert (first.format, first.size) == ("PNG", (48, 32))
-        pixels = np.asarray(first)
+        (pixels,) = edit(source, 7, size="48x32")
+        assert pixels.shape == (32, 48, 3)
         assert np.array_equal(pixels, _diffusers(tiny_edit, source, prompt, seed=7, width=48, height=32))
         two = edit(source, 7, size="48x32", n=2)
-        assert np.array_equal(np.asarray(two[0]), pixels)  # image i of a request is seed + i
-        assert not np.array_equal(np.asarray(two[1]), pixels)
-        assert not np.array_equal(np.asarray(edit(_png(40, 56, seed=2), 7, size="48x32")[0]), pixels)
+        assert np.array_equal(two[0], pixels)  # image i of a request is seed + i
+        assert not np.array_equal(two[1], pixels)
+        assert not np.array_equal(edit(random_png(40, 56, seed=2), 7, size="48x32")[0], pixels)
 
         def refused(**kw: Any) -> str | None:
             with pytest.raises(openai.BadRequestError) as err:
@@ -110,7 +75,7 @@ def test_serve_answers_the_openai_images_edit_api(tmp_path: Path, model_cache: P
         assert refused(image=image, prompt=" ") == "prompt"
         assert refused(image=image, extra_body={"strength": 0.5}) == "strength"
         # Too big: a small file of a 9000x8 picture, past the largest side accepted.
-        assert refused(image=("wide.png", _png(9000, 8, seed=3), "image/png")) == "image"
+        assert refused(image=("wide.png", random_png(9000, 8, seed=3), "image/png")) == "image"
 
         # Text to image is not served by an edit model, and edits are not served by the others.
         assert httpx.post(f"{serve.url}/v1/images/generations", json={"prompt": "a cat"}).status_code == 404

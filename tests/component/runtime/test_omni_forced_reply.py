@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from pydantic import ValidationError
+from runtime_procs import served_in_process
 
 from omnimodel_runtime.engines.omni.common import PROMPT_KIND, REPLY_KIND
 from omnimodel_runtime.engines.omni.thinker import SPEECH_INSTRUCTION, SPEECH_SYSTEM_PROMPT
@@ -31,8 +32,7 @@ from omnimodel_runtime.protocol.stage import (
     TensorFrame,
     TextFrame,
 )
-from omnimodel_runtime.serve import build_serve_app, serve_pipeline
-from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,13 +46,10 @@ def audio(reply_ids: list[int] | None = None) -> StageParams:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def thinker(model_cache: Path) -> AsyncIterator[Any]:
+async def thinker(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Any]:
     """The thinker engine of an in-process ``serve`` app (the engines the speech route runs)."""
-    settings = RuntimeSettings(model_cache=model_cache, device="cpu")
-    app = build_serve_app(settings, serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"))
-    async with app.router.lifespan_context(app):
-        await app.state.startup.wait()
-        yield app.state.orchestrator.handles["thinker"].engine
+    async with served_in_process(serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"), model_cache) as served:
+        yield served.engine("thinker")
 
 
 async def run(engine: Any, request: StageRequest) -> list[ResponseFrame]:

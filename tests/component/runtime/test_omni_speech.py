@@ -5,8 +5,6 @@ input (a forced reply, test_omni_forced_reply.py), the talker and code2wav run a
 
 from __future__ import annotations
 
-import io
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from runtime_procs import RuntimeProcess, openai_client, running, runtime_env, serve_process, wav_samples
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -28,32 +26,17 @@ STREAM_TOLERANCE_LSB = 1
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[RuntimeProcess]:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    ensure_tiny(MODEL, model_cache)
-    tmp = tmp_path_factory.mktemp("omni-speech")
-    proc = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", MODEL, "--model", f"tiny://{MODEL}"],
-        log_dir=tmp,
-        # Its three engines share one process: one intra-op thread each keeps the shared cores free.
-        env=runtime_env(model_cache, OMNIMODEL_DEVICE="cpu", OMP_NUM_THREADS=1),
-        port=free_port(),
-    )
+def serve(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_omni: Path) -> Iterator[RuntimeProcess]:
+    # Its three engines share one process: one intra-op thread each keeps the shared cores free.
+    env = runtime_env(model_cache, OMNIMODEL_DEVICE="cpu", OMP_NUM_THREADS=1)
+    proc = serve_process(MODEL, tmp_path_factory.mktemp("omni-speech"), env)
     with running(proc):
         yield proc.wait_healthy(timeout=240)
 
 
 @pytest.fixture(scope="module")
 def client(serve: RuntimeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def samples_of(wav_file: bytes) -> np.ndarray:
-    with wave.open(io.BytesIO(wav_file)) as wav:
-        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (RATE, 1, 2)
-        return np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
+    return openai_client(serve.url)
 
 
 def speak(serve: RuntimeProcess, **body: Any) -> httpx.Response:
@@ -64,7 +47,7 @@ def test_openai_client_gets_24khz_audio_and_the_stream_equals_the_file(client: o
     whole = client.audio.speech.create(model=MODEL, voice="Chelsie", input=TEXT)
     assert whole.response.headers["content-type"] == "audio/wav"
     assert whole.response.headers["x-sample-rate"] == str(RATE)
-    samples = samples_of(whole.content)
+    samples = wav_samples(whole.content, RATE)
     # The tiny talker speaks its 64-code cap (1.28 s at 480 samples per code).
     assert samples.size == 64 * 480
     assert np.sqrt(np.mean((samples / 32767.0) ** 2)) > 0.01  # audible, not silence
@@ -87,7 +70,7 @@ def test_voices_are_the_speaker_map(serve: RuntimeProcess, client: openai.OpenAI
     assert speak(serve).content == chelsie
     assert client.audio.speech.create(model=MODEL, voice="default", input=TEXT).content == chelsie
     ethan = speak(serve, voice="ethan", seed=0).content
-    assert samples_of(ethan).size > 0
+    assert wav_samples(ethan, RATE).size > 0
     assert ethan != chelsie
     for stream in (False, True):
         resp = speak(serve, voice="Nobody", stream=stream)

@@ -10,7 +10,6 @@ where torchvision imports, to compute that output again:
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
@@ -23,12 +22,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env, wav_of
-from test_omni_inputs import VideoInput, whole_generate
-from test_omni_pipeline import MODEL, Whole
+from omni_helpers import QWEN25, Qwen25Whole, VideoInput, spoken_chat, video_part
+from runtime_procs import RuntimeProcess, openai_client, running, runtime_env, serve_process, wav_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
+MODEL = QWEN25
 # The serve process runs its engines on one thread each, and the whole model runs on one too: the same
 # float reductions in the same order, so the same bits.
 THREADS = 1
@@ -142,11 +141,6 @@ def mp4_file(
     return out.getvalue()
 
 
-def video_part(data: bytes, **extra: Any) -> dict[str, Any]:
-    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
-    return {"type": "video_url", "video_url": {"url": url, **extra}}
-
-
 def all_frames(data: bytes) -> np.ndarray:
     """Every frame of the file as RGB, as a client library decodes it (PyAV)."""
     import av
@@ -168,33 +162,17 @@ def audio_track(data: bytes) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def tiny_omni(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny(MODEL, model_cache)
-
-
-@pytest.fixture(scope="module")
-def whole(tiny_omni: Path) -> Whole:
-    return Whole(tiny_omni)
-
-
-@pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_omni: Path) -> Iterator[RuntimeProcess]:
-    proc = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", MODEL, "--model", f"tiny://{MODEL}"],
-        log_dir=tmp_path_factory.mktemp("omni-video"),
-        env=runtime_env(model_cache, OMNIMODEL_DEVICE="cpu", OMP_NUM_THREADS=THREADS),
-        port=free_port(),
-    )
+    """``omnimodel serve --preset qwen2.5-omni --model tiny://qwen2.5-omni`` as a process."""
+    env = runtime_env(model_cache, OMNIMODEL_DEVICE="cpu", OMP_NUM_THREADS=THREADS)
+    proc = serve_process(MODEL, tmp_path_factory.mktemp("omni-video"), env)
     with running(proc):
         yield proc.wait_healthy(timeout=240)
 
 
 @pytest.fixture(scope="module")
 def client(serve: RuntimeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai_client(serve.url, timeout=180)
 
 
 def post(serve: RuntimeProcess, content: list[dict[str, Any]], **body: Any) -> httpx.Response:
@@ -202,26 +180,21 @@ def post(serve: RuntimeProcess, content: list[dict[str, Any]], **body: Any) -> h
     return httpx.post(f"{serve.url}/v1/chat/completions", json=body, timeout=180)
 
 
-def test_video_chat_answers_as_the_whole_model_does(client: openai.OpenAI, whole: Whole) -> None:
+def test_video_chat_answers_as_the_whole_model_does(client: openai.OpenAI, whole_omni: Qwen25Whole) -> None:
     """A video in, text and audio out, with the official client: the whole model's text and waveform.
     The thinker's answer depends on the video's M-RoPE time positions (seconds per temporal patch); the
     tiny talker's codes do not depend on its own (a bogus grid gives the same codes), so a wrong grid or
     rate handed to the talker would go unseen here: the prompt frame carries the whole model's values."""
     video = mp4_file(2)  # 2 s at 2 fps: its 4 frames are the ones taken
     content: Any = [{"type": "text", "text": QUESTION}, video_part(video)]
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": content}],
-        modalities=["text", "audio"],
-        audio={"voice": "Ethan", "format": "wav"},
-        max_tokens=12,
-        temperature=0,
-        seed=9,
-    )
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(**spoken_chat(messages, voice="Ethan", max_tokens=12, seed=9))
     message = reply.choices[0].message
     assert message.audio is not None
     frames = VideoInput(all_frames(video), 2.0)
-    text, wav = whole_generate(whole, content, speaker="Ethan", max_tokens=12, seed=9, threads=THREADS, video=frames)
+    text, wav = whole_omni.generate_content(
+        content, speaker="Ethan", max_tokens=12, seed=9, threads=THREADS, video=frames
+    )
     assert (message.content, message.audio.transcript) == (text, text)
     assert wav_of(message.model_dump()) == wav
     # Text only: the thinker alone, the same answer.
@@ -231,27 +204,22 @@ def test_video_chat_answers_as_the_whole_model_does(client: openai.OpenAI, whole
     assert alone.choices[0].message.content == text
 
 
-def test_the_video_audio_track_goes_in_with_use_audio_in_video(client: openai.OpenAI, whole: Whole) -> None:
+def test_the_video_audio_track_goes_in_with_use_audio_in_video(client: openai.OpenAI, whole_omni: Qwen25Whole) -> None:
     """vLLM-Omni's ``mm_processor_kwargs.use_audio_in_video``: the track is decoded and interleaved with
     the frames (2-second chunks), as the whole model takes it with the same flag."""
     video = mp4_file(2, audio=True, seed=1)
     content: Any = [{"type": "text", "text": QUESTION}, video_part(video)]
+    messages = [{"role": "user", "content": content}]
     reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": content}],
-        modalities=["text", "audio"],
-        audio={"voice": "Chelsie", "format": "wav"},
-        max_tokens=10,
-        temperature=0,
-        seed=4,
+        **spoken_chat(messages, voice="Chelsie", max_tokens=10, seed=4),
         extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
     )
     message = reply.choices[0].message
     assert message.audio is not None
     track = audio_track(video)
     with_track = VideoInput(all_frames(video), 2.0, audio=track)
-    text, wav = whole_generate(
-        whole, content, speaker="Chelsie", max_tokens=10, seed=4, threads=THREADS, video=with_track
+    text, wav = whole_omni.generate_content(
+        content, speaker="Chelsie", max_tokens=10, seed=4, threads=THREADS, video=with_track
     )
     assert message.content == text
     assert wav_of(message.model_dump()) == wav

@@ -13,12 +13,25 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from runtime_procs import RuntimeProcess, free_port, metric_value, running, runtime_env, wait_for
+from runtime_procs import (
+    RuntimeProcess,
+    free_port,
+    gateway_process,
+    metric_value,
+    openai_client,
+    pipeline_file,
+    running,
+    runtime_env,
+    serve_process,
+    split_deployment,
+    stage_process,
+    wait_for,
+)
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -30,21 +43,12 @@ USER = [{"role": "user", "content": "Hello there, what is the model?"}]
 LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
 
-def _pipeline_file(tmp: Path, stage_port: int) -> Path:
-    pipeline = serve_pipeline("text", "tiny://text", engines=["transformers"], device="cpu")
-    stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{stage_port}",)}) for s in pipeline.stages)
-    path = tmp / "pipeline.json"
-    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
-    return path
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+PIPELINE = serve_pipeline("text", "tiny://text", engines=["transformers"], device="cpu")
 
 
 def _check_openai_api(url: str) -> None:
     """What the issue's acceptance asks of a running gateway, through the official client."""
-    client = _client(url)
+    client = openai_client(url, timeout=60)
     assert [m.id for m in client.models.list().data] == ["text"]
 
     reply = client.chat.completions.create(model="text", messages=USER, max_tokens=16)  # type: ignore[arg-type]
@@ -65,14 +69,7 @@ def _check_openai_api(url: str) -> None:
 
 
 def test_serve_runs_everything_in_one_process(tmp_path: Path, model_cache: Path, tiny_text: Path) -> None:
-    port = free_port()
-    serve = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", "text", "--model", "tiny://text", "--engine", "transformers"],
-        log_dir=tmp_path,
-        env=runtime_env(model_cache),
-        port=port,
-    )
+    serve = serve_process("text", tmp_path, runtime_env(model_cache), "--engine", "transformers")
     with running(serve):
         serve.wait_healthy()
         _check_openai_api(serve.url)
@@ -91,18 +88,9 @@ def deployment(
     tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_text: Path
 ) -> Iterator[tuple[RuntimeProcess, RuntimeProcess]]:
     """A stage process and a gateway process started from one pipeline file."""
-    tmp = tmp_path_factory.mktemp("deployment")
-    stage_port, gateway_port = free_port(), free_port()
-    path = _pipeline_file(tmp, stage_port)
     env = runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=0.5)
-    stage = RuntimeProcess(
-        "stage", ["stage", "--pipeline", str(path), "--stage", "llm"], log_dir=tmp, env=env, port=stage_port
-    )
-    gateway = RuntimeProcess("gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=gateway_port)
-    with running(stage, gateway):
-        stage.wait_healthy()
-        gateway.wait_healthy()
-        yield stage, gateway
+    with split_deployment(PIPELINE, tmp_path_factory.mktemp("deployment"), env) as procs:
+        yield procs["llm"], procs["gateway"]
 
 
 def test_stage_and_gateway_processes_serve_the_openai_api(deployment: tuple[RuntimeProcess, RuntimeProcess]) -> None:
@@ -151,10 +139,8 @@ def gateway_only(
 ) -> Iterator[tuple[RuntimeProcess, Path]]:
     """A gateway whose stage each test starts (and kills) itself; yields the gateway and pipeline file."""
     tmp = tmp_path_factory.mktemp("gateway-only")
-    stage_port, gateway_port = free_port(), free_port()
-    path = _pipeline_file(tmp, stage_port)
-    env = runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=0.5)
-    gateway = RuntimeProcess("gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=gateway_port)
+    path = pipeline_file(PIPELINE, {"llm": (free_port(),)}, tmp / "pipeline.json")
+    gateway = gateway_process(path, log_dir=tmp, env=runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=0.5))
     with running(gateway):
         wait_for(lambda: gateway.get("/livez"), timeout=60, what="the gateway to answer /livez")
         yield gateway, path
@@ -162,10 +148,18 @@ def gateway_only(
 
 def _stage_for(gateway: RuntimeProcess, path: Path, model_cache: Path) -> RuntimeProcess:
     port = int(json.loads(path.read_text())["stages"][0]["endpoints"][0].rsplit(":", 1)[1])
-    env = runtime_env(model_cache)
-    return RuntimeProcess(
-        "stage", ["stage", "--pipeline", str(path), "--stage", "llm"], log_dir=path.parent, env=env, port=port
-    )
+    return stage_process(path, "llm", port, log_dir=path.parent, env=runtime_env(model_cache))
+
+
+@contextmanager
+def _serving_stage(
+    gateway: RuntimeProcess, path: Path, model_cache: Path, *, again: str = ""
+) -> Iterator[RuntimeProcess]:
+    """The gateway's stage process, running and in the gateway's pool."""
+    with running(_stage_for(gateway, path, model_cache)) as (stage,):
+        stage.wait_healthy()
+        wait_for(lambda: _gateway_health(gateway) == 200, timeout=30, what="gateway /health 200")
+        yield stage
 
 
 def _gateway_health(gateway: RuntimeProcess) -> int:
@@ -177,10 +171,7 @@ def test_killed_stage_fails_requests_fast_and_recovers_after_restart(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:
     gateway, path = gateway_only
-    with running(_stage_for(gateway, path, model_cache)) as (stage,):
-        stage.wait_healthy()
-        wait_for(lambda: _gateway_health(gateway) == 200, timeout=30, what="gateway /health 200")
-
+    with _serving_stage(gateway, path, model_cache) as stage:
         # A non-streamed request in flight when the stage dies: a 5xx within seconds, not a hang.
         outcome: dict[str, object] = {}
 
@@ -218,10 +209,10 @@ def test_killed_stage_fails_requests_fast_and_recovers_after_restart(
         assert time.monotonic() - started < 10
 
     # The stage comes back on the same address: the gateway uses it again.
-    with running(_stage_for(gateway, path, model_cache)) as (stage,):
-        stage.wait_healthy()
-        wait_for(lambda: _gateway_health(gateway) == 200, timeout=30, what="gateway /health 200 again")
-        reply = _client(gateway.url).chat.completions.create(model="text", messages=USER, max_tokens=8)  # type: ignore[arg-type]
+    with _serving_stage(gateway, path, model_cache, again=" again"):
+        reply = openai_client(gateway.url, timeout=60).chat.completions.create(
+            model="text", messages=USER, max_tokens=8
+        )  # type: ignore[arg-type]
         assert reply.choices[0].message.content
 
 
@@ -229,9 +220,7 @@ def test_killed_stage_mid_stream_ends_the_stream_with_an_error_chunk(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:
     gateway, path = gateway_only
-    with running(_stage_for(gateway, path, model_cache)) as (stage,):
-        stage.wait_healthy()
-        wait_for(lambda: _gateway_health(gateway) == 200, timeout=30, what="gateway /health 200")
+    with _serving_stage(gateway, path, model_cache) as stage:
         body = {"model": "text", "messages": USER, "stream": True, **LONG}
         with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200
@@ -248,9 +237,7 @@ def test_sigterm_drains_in_flight_requests_before_the_stage_exits(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:
     gateway, path = gateway_only
-    with running(_stage_for(gateway, path, model_cache)) as (stage,):
-        stage.wait_healthy()
-        wait_for(lambda: _gateway_health(gateway) == 200, timeout=30, what="gateway /health 200")
+    with _serving_stage(gateway, path, model_cache) as stage:
         body = {
             "model": "text",
             "messages": USER,

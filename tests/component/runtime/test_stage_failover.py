@@ -14,7 +14,16 @@ from typing import Any
 
 import httpx
 import pytest
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env, wait_for
+from runtime_procs import (
+    RuntimeProcess,
+    free_port,
+    gateway_process,
+    pipeline_file,
+    running,
+    runtime_env,
+    stage_process,
+    wait_for,
+)
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -32,16 +41,10 @@ def replicas(
     tmp = tmp_path_factory.mktemp("failover")
     ports = free_port(), free_port()
     pipeline = serve_pipeline("text", "tiny://text", engines=["transformers"], device="cpu")
-    endpoints = tuple(f"http://127.0.0.1:{p}" for p in ports)
-    stages = tuple(s.model_copy(update={"endpoints": endpoints}) for s in pipeline.stages)
-    path = tmp / "pipeline.json"
-    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
+    path = pipeline_file(pipeline, {"llm": ports}, tmp / "pipeline.json")
     env = runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=HEALTH_INTERVAL, OMNIMODEL_HEALTH_TIMEOUT=HEALTH_TIMEOUT)
-    a, b = (
-        RuntimeProcess(f"stage-{i}", ["stage", "--pipeline", str(path), "--stage", "llm"], log_dir=tmp, env=env, port=p)
-        for i, p in enumerate(ports)
-    )
-    gateway = RuntimeProcess("gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=free_port())
+    a, b = (stage_process(path, "llm", p, log_dir=tmp, env=env) for p in ports)
+    gateway = gateway_process(path, log_dir=tmp, env=env)
     with running(a, b, gateway):
         try:
             a.wait_healthy()

@@ -12,7 +12,6 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
+from runtime_procs import torch_threads
+from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
@@ -30,9 +30,8 @@ from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
+from omnimodel_runtime.protocol.images import TextToImageParams
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
     ResponseFrame,
@@ -41,10 +40,7 @@ from omnimodel_runtime.protocol.stage import (
     StageRequest,
     TensorFrame,
 )
-from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import StageHandle
-from omnimodel_runtime.stage.local import LocalStage
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -62,13 +58,6 @@ class RecordingMetrics:
 
     def add_generated_tokens(self, count: int) -> None:
         pass
-
-
-@dataclass
-class Deployed:
-    orchestrator: Orchestrator
-    engines: dict[str, DiffusersImageEngine]
-    metrics: dict[str, RecordingMetrics]
 
 
 def whole_pipeline(model: str) -> Pipeline:
@@ -89,83 +78,45 @@ def whole_pipeline(model: str) -> Pipeline:
     )
 
 
-@pytest.fixture(scope="module")
-def tiny_t2i(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("text-to-image", model_cache)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[None]:
+def two_threads() -> Iterator[None]:
     """Two intra-op threads at most: the box is shared, and tiny models gain nothing from more."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(min(2, os.cpu_count() or 1)):
+        yield
 
 
-async def deploy(pipeline: Pipeline, model_dir: Path, **engine_args: Any) -> Deployed:
-    family = StageMetricsFamily(CollectorRegistry())
-    handles: dict[str, StageHandle] = {}
-    engines: dict[str, DiffusersImageEngine] = {}
-    metrics: dict[str, RecordingMetrics] = {}
-    for declared in pipeline.stages:
-        stage = declared.model_copy(update={"engine_args": engine_args})
-        metrics[stage.name] = RecordingMetrics()
-        context = EngineContext(
-            stage=stage, model_dir=model_dir, settings=RuntimeSettings(device="cpu"), metrics=metrics[stage.name]
-        )
-        engine = create_engine(context)
-        assert isinstance(engine, DiffusersImageEngine)
-        engines[stage.name] = engine
-        handles[stage.name] = LocalStage(stage, engine, family.for_stage(stage.name))
-    await asyncio.gather(*(h.start() for h in handles.values()))
-    return Deployed(Orchestrator(pipeline, handles), engines, metrics)
+def deploy(pipeline: Pipeline, model_dir: Path, **engine_args: Any) -> contextlib.AbstractAsyncContextManager[Deployed]:
+    """``pipeline``'s diffusers engines in process, each recording its batches."""
+    return stages_in_process(
+        pipeline, model_dir, engine_class=DiffusersImageEngine, metrics=RecordingMetrics, **engine_args
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def split(tiny_t2i: Path) -> AsyncIterator[Deployed]:
     # A long wait bound: requests of these tests are announced together, and a batch must not start
     # before the last of them has been encoded on a slow shared CPU.
-    deployed = await deploy(
-        get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")), tiny_t2i, batch_wait=5.0
-    )
-    yield deployed
-    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+    preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
+    async with deploy(preset, tiny_t2i, batch_wait=5.0) as deployed:
+        yield deployed
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def whole(tiny_t2i: Path) -> AsyncIterator[Deployed]:
-    deployed = await deploy(whole_pipeline("tiny://x"), tiny_t2i)
-    yield deployed
-    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+    async with deploy(whole_pipeline("tiny://x"), tiny_t2i) as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")
 def diffusers_pipe(tiny_t2i: Path) -> Any:
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(tiny_t2i)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline("QwenImagePipeline", tiny_t2i)
 
 
 def direct(
     pipe: Any, prompt: str, *, seed: int, n: int = 1, width: int = 32, height: int = 32, **kw: Any
 ) -> np.ndarray:
-    """diffusers itself: one call, PIL images out, per-image generators seeded seed + i."""
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
-    images = pipe(
-        prompt,
-        num_images_per_prompt=n,
-        width=width,
-        height=height,
-        num_inference_steps=STEPS,
-        generator=generators,
-        **kw,
-    ).images
-    return np.stack([np.asarray(image) for image in images])
+    """diffusers itself, 32x32 unless said otherwise."""
+    return diffusers_images(pipe, prompt, seed=seed, steps=STEPS, n=n, width=width, height=height, **kw)
 
 
 async def generate(deployed: Deployed, prompt: str, **params: Any) -> np.ndarray:
@@ -176,12 +127,7 @@ async def generate(deployed: Deployed, prompt: str, **params: Any) -> np.ndarray
             image=TextToImageParams(**{"num_inference_steps": STEPS, "width": 32, "height": 32, **params})
         ),
     )
-    images = []
-    async for _, frame in deployed.orchestrator.generate_chain(request, [Modality.IMAGE]):
-        if isinstance(frame, TensorFrame):
-            images.append(np.asarray(frame.tensors[IMAGES_TENSOR]))
-    (batch,) = images
-    return batch
+    return await images_of(deployed, request)
 
 
 @pytest.mark.parametrize(
@@ -216,18 +162,12 @@ async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
 async def test_bfloat16_stages_hand_off_exactly(tiny_t2i: Path) -> None:
     """bfloat16 (what accelerators run) has no numpy dtype: embeddings and latents cross between stages as
     raw bits, so the split still gives diffusers' bf16 pixels."""
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(tiny_t2i, dtype=torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipeline("QwenImagePipeline", tiny_t2i, dtype=torch.bfloat16)
     params = {"seed": 3, "n": 2, "negative_prompt": "low quality", "true_cfg_scale": 2.0}
     expected = direct(pipe, "a dragon over a city", seed=3, n=2, negative_prompt="low quality", true_cfg_scale=2.0)
     pipeline = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
-    deployed = await deploy(pipeline, tiny_t2i, dtype="bfloat16")
-    try:
+    async with deploy(pipeline, tiny_t2i, dtype="bfloat16") as deployed:
         assert np.array_equal(await generate(deployed, "a dragon over a city", **params), expected)
-    finally:
-        await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
 
 
 async def test_the_seed_decides_the_image_and_the_prompt_changes_it(split: Deployed) -> None:
@@ -366,11 +306,9 @@ async def test_parameters_out_of_bounds_never_become_a_stage_request(
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cfg_batched(tiny_t2i: Path) -> AsyncIterator[Deployed]:
     """The split preset with ``cfg_batch`` on (only denoise acts on it)."""
-    deployed = await deploy(
-        get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")), tiny_t2i, batch_wait=5.0, cfg_batch=True
-    )
-    yield deployed
-    await asyncio.gather(*(h.stop() for h in deployed.orchestrator.handles.values()))
+    preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
+    async with deploy(preset, tiny_t2i, batch_wait=5.0, cfg_batch=True) as deployed:
+        yield deployed
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ byte-level BPEs trained locally (nothing is downloaded).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -16,20 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from stage_engines import diffusers_images, diffusers_pipeline, images_of, stages_in_process
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from omnimodel_runtime.engines.base import EngineContext
-from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.metrics import StageMetricsFamily
-from omnimodel_runtime.pipeline import Modality, ModelSource, get_preset
-from omnimodel_runtime.protocol.images import IMAGES_TENSOR, TextToImageParams
-from omnimodel_runtime.protocol.stage import StageParams, StageRequest, TensorFrame
-from omnimodel_runtime.serving.orchestrator import Orchestrator
-from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import StageHandle
-from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_runtime.pipeline import ModelSource, get_preset
+from omnimodel_runtime.protocol.images import TextToImageParams
+from omnimodel_runtime.protocol.stage import StageParams, StageRequest
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -121,45 +113,21 @@ def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> None:
-    from diffusers import FluxPipeline
-
     pipeline = get_preset("text-to-image").pipeline(ModelSource(source=f"file://{tiny_flux}"))
-    family = StageMetricsFamily(CollectorRegistry())
-    handles: dict[str, StageHandle] = {}
-    engines: dict[str, DiffusersImageEngine] = {}
-    for stage in pipeline.stages:
-        engine = create_engine(EngineContext(stage=stage, model_dir=tiny_flux, settings=RuntimeSettings(device="cpu")))
-        assert isinstance(engine, DiffusersImageEngine)
-        engines[stage.name] = engine
-        handles[stage.name] = LocalStage(stage, engine, family.for_stage(stage.name))
-    await asyncio.gather(*(h.start() for h in handles.values()))
-    try:
-        assert engines["encode"].components == ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-        assert engines["denoise"].components == ("scheduler", "transformer")
-        assert engines["decode"].components == ("vae",)
-        params = {"n": 2, "width": 16, "height": 24, "num_inference_steps": 3, "seed": 9}
-        params |= {"negative_prompt": "bad quality", "true_cfg_scale": 2.0}
-        request = StageRequest(
-            request_id=f"r{time.monotonic_ns()}", prompt=PROMPT, params=StageParams(image=TextToImageParams(**params))
-        )
-        frames = [f async for _, f in Orchestrator(pipeline, handles).generate_chain(request, [Modality.IMAGE])]
-        (served,) = [np.asarray(f.tensors[IMAGES_TENSOR]) for f in frames if isinstance(f, TensorFrame)]
-    finally:
-        await asyncio.gather(*(h.stop() for h in handles.values()))
+    cfg = {"negative_prompt": "bad quality", "true_cfg_scale": 2.0}
+    params = {"n": 2, "width": 16, "height": 24, "num_inference_steps": 3, "seed": 9, **cfg}
+    request = StageRequest(
+        request_id=f"r{time.monotonic_ns()}", prompt=PROMPT, params=StageParams(image=TextToImageParams(**params))
+    )
+    async with stages_in_process(pipeline, tiny_flux, engine_class=DiffusersImageEngine) as deployed:
+        assert deployed.engines["encode"].components == ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+        assert deployed.engines["denoise"].components == ("scheduler", "transformer")
+        assert deployed.engines["decode"].components == ("vae",)
+        served = await images_of(deployed, request)
 
-    pipe = FluxPipeline.from_pretrained(tiny_flux)
-    pipe.set_progress_bar_config(disable=True)
-    expected = pipe(
-        PROMPT,
-        negative_prompt="bad quality",
-        true_cfg_scale=2.0,
-        num_images_per_prompt=2,
-        width=16,
-        height=24,
-        num_inference_steps=3,
-        generator=[torch.Generator().manual_seed(9), torch.Generator().manual_seed(10)],
-    ).images
+    pipe = diffusers_pipeline("FluxPipeline", tiny_flux)
+    expected = diffusers_images(pipe, PROMPT, seed=9, steps=3, n=2, width=16, height=24, **cfg)
     assert served.shape == (2, 24, 16, 3)
     assert len(np.unique(served)) > 20
     for got, want in zip(served, expected, strict=True):
-        assert np.array_equal(got, np.asarray(want))
+        assert np.array_equal(got, want)

@@ -6,17 +6,22 @@ pixels for the same seed.
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
 import pytest
-import torch
-from PIL import Image
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from runtime_procs import (
+    images_api_pixels,
+    openai_client,
+    png_pixels,
+    running,
+    runtime_env,
+    serve_process,
+    split_deployment,
+)
+from stage_engines import diffusers_images, diffusers_pipeline
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -27,33 +32,11 @@ MODEL = "text-to-image"
 THREADS = {"OMP_NUM_THREADS": 1}
 
 
-@pytest.fixture(scope="module")
-def tiny_t2i(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("text-to-image", model_cache)
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _images(result: Any) -> list[np.ndarray]:
-    assert result.data is not None
-    return [np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))) for d in result.data]
-
-
 def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, tiny_t2i: Path) -> None:
-    serve = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", MODEL, "--model", f"tiny://{MODEL}"],
-        log_dir=tmp_path,
-        env=runtime_env(model_cache, **THREADS),
-        port=free_port(),
-    )
+    serve = serve_process(MODEL, tmp_path, runtime_env(model_cache, **THREADS))
     with running(serve):
         serve.wait_healthy()
-        client = _client(serve.url)
+        client = openai_client(serve.url)
         assert [m.id for m in client.models.list().data] == [MODEL]
 
         def generate(n: int, seed: int) -> list[np.ndarray]:
@@ -65,7 +48,7 @@ def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, 
                 response_format="b64_json",
                 extra_body={"seed": seed, "num_inference_steps": 4},
             )
-            return _images(result)
+            return images_api_pixels(result)
 
         two = generate(2, seed=21)
         assert [im.shape for im in two] == [(32, 48, 3), (32, 48, 3)]
@@ -82,7 +65,7 @@ def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, 
         content: Any = reply.choices[0].message.content
         url = content[0]["image_url"]["url"]
         assert url.startswith("data:image/png;base64,")
-        chat_image = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+        chat_image = png_pixels(url.split(",", 1)[1])
         assert np.array_equal(chat_image, two[0])
 
         with pytest.raises(openai.BadRequestError) as err:
@@ -94,45 +77,21 @@ def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, 
 def test_three_stage_processes_give_the_diffusers_pipelines_pixels(
     tmp_path: Path, model_cache: Path, tiny_t2i: Path
 ) -> None:
-    ports = {name: free_port() for name in ("encode", "denoise", "decode")}
     pipeline = serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu")
-    stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{ports[s.name]}",)}) for s in pipeline.stages)
-    path = tmp_path / "pipeline.json"
-    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
     env = runtime_env(model_cache, OMNIMODEL_HEALTH_INTERVAL=0.5, **THREADS)
-    procs = [
-        RuntimeProcess(name, ["stage", "--pipeline", str(path), "--stage", name], log_dir=tmp_path, env=env, port=port)
-        for name, port in ports.items()
-    ]
-    gateway = RuntimeProcess(
-        "gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp_path, env=env, port=free_port()
-    )
-    with running(*procs, gateway):
-        for proc in (*procs, gateway):
-            proc.wait_healthy()
-        result = _client(gateway.url).images.generate(
+    prompt, cfg = "a castle on a mountain at sunset", {"negative_prompt": "blurry", "true_cfg_scale": 2.0}
+    with split_deployment(pipeline, tmp_path, env) as procs:
+        result = openai_client(procs["gateway"].url).images.generate(
             model=MODEL,
-            prompt="a castle on a mountain at sunset",
+            prompt=prompt,
             n=2,
             size="32x48",  # type: ignore[arg-type]
-            extra_body={"seed": 5, "num_inference_steps": 4, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
+            extra_body={"seed": 5, "num_inference_steps": 4, **cfg},
         )
-        served = _images(result)
+        served = images_api_pixels(result)
 
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(tiny_t2i)
-    pipe.set_progress_bar_config(disable=True)
-    expected = pipe(
-        "a castle on a mountain at sunset",
-        negative_prompt="blurry",
-        true_cfg_scale=2.0,
-        num_images_per_prompt=2,
-        width=32,
-        height=48,
-        num_inference_steps=4,
-        generator=[torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)],
-    ).images
+    pipe = diffusers_pipeline("QwenImagePipeline", tiny_t2i)
+    expected = diffusers_images(pipe, prompt, seed=5, steps=4, n=2, width=32, height=48, **cfg)
     assert [im.shape for im in served] == [(48, 32, 3), (48, 32, 3)]
     for got, want in zip(served, expected, strict=True):
-        assert np.array_equal(got, np.asarray(want))
+        assert np.array_equal(got, want)

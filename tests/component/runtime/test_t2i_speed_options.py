@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from stage_engines import diffusers_pipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 
@@ -23,12 +24,8 @@ PROMPT = "a red fox in the snow"
 
 
 @pytest.fixture(scope="module")
-def pipe(model_cache: Path) -> Any:
-    from diffusers import DiffusionPipeline
-
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return DiffusionPipeline.from_pretrained(ensure_tiny("text-to-image", model_cache), dtype=torch.float32)
+def pipe(tiny_t2i: Path) -> Any:
+    return diffusers_pipeline("QwenImagePipeline", tiny_t2i, dtype=torch.float32)
 
 
 def speed_up(pipe: Any, **engine_args: Any) -> None:

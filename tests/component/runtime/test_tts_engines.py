@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from runtime_procs import torch_threads
 from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Tokenizer
 
 from omnimodel_runtime.engines.base import Engine, EngineContext
@@ -36,7 +37,7 @@ from omnimodel_runtime.protocol.stage import (
 from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.serving.audio import to_pcm16
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.tiny import build_tiny, ensure_tiny
+from omnimodel_runtime.tiny import build_tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,15 +47,8 @@ TEXT = "Hello world, this is the tiny speech model."
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     # Two cores shared with other test runs: one intra-op thread keeps this file predictable.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_tts(model_cache: Path) -> Path:
-    return ensure_tiny("tts", model_cache)
+    with torch_threads(1):
+        yield
 
 
 class StepCounter:
@@ -81,22 +75,23 @@ def _engine(model_dir: Path, stage: str, **engine_args: Any) -> Engine:
     )
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def acoustic(tiny_tts: Path) -> AsyncIterator[Engine]:
-    engine = _engine(tiny_tts, "acoustic")
-    await engine.start()
-    await engine.warmup()
-    yield engine
-    await engine.stop()
+def _started(stage: str) -> Any:
+    """A module fixture: the engine of ``stage``, started and warm."""
+
+    async def started(tiny_tts: Path) -> AsyncIterator[Engine]:
+        engine = _engine(tiny_tts, stage)
+        await engine.start()
+        await engine.warmup()
+        yield engine
+        await engine.stop()
+
+    started.__doc__ = f"The {stage} engine, started and warm."
+    return pytest_asyncio.fixture(started, scope="module", loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def vocoder(tiny_tts: Path) -> AsyncIterator[Engine]:
-    engine = _engine(tiny_tts, "vocoder")
-    await engine.start()
-    await engine.warmup()
-    yield engine
-    await engine.stop()
+# The fixture's name is the one it is bound to here.
+acoustic = _started("acoustic")
+vocoder = _started("vocoder")
 
 
 def _request(text: str = TEXT, *, stream: bool, seed: int | None = 5, **params: Any) -> StageRequest:

@@ -4,8 +4,6 @@ two stages as separate ``omnimodel stage`` processes behind ``omnimodel gateway`
 
 from __future__ import annotations
 
-import io
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +11,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from runtime_procs import RuntimeProcess, free_port, metric_value, running, runtime_env
+from runtime_procs import (
+    RuntimeProcess,
+    metric_value,
+    openai_client,
+    running,
+    runtime_env,
+    serve_process,
+    split_deployment,
+    wav_samples,
+)
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -31,22 +38,8 @@ def _env(model_cache: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_tts(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("tts", model_cache)
-
-
-@pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_tts: Path) -> Iterator[RuntimeProcess]:
-    tmp = tmp_path_factory.mktemp("tts-serve")
-    proc = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", "tts", "--model", "tiny://tts"],
-        log_dir=tmp,
-        env=_env(model_cache),
-        port=free_port(),
-    )
+    proc = serve_process("tts", tmp_path_factory.mktemp("tts-serve"), _env(model_cache))
     with running(proc):
         yield proc.wait_healthy()
 
@@ -56,32 +49,9 @@ def split(
     tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_tts: Path
 ) -> Iterator[tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess]]:
     """acoustic and vocoder as separate stage processes, and a gateway, from one pipeline file."""
-    tmp = tmp_path_factory.mktemp("tts-split")
-    ports = {"acoustic": free_port(), "vocoder": free_port()}
     pipeline = serve_pipeline("tts", "tiny://tts", device="cpu")
-    stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{ports[s.name]}",)}) for s in pipeline.stages)
-    path = tmp / "pipeline.json"
-    path.write_text(pipeline.model_copy(update={"stages": stages}).to_json())
-    env = _env(model_cache)
-    procs = [
-        RuntimeProcess(name, ["stage", "--pipeline", str(path), "--stage", name], log_dir=tmp, env=env, port=port)
-        for name, port in ports.items()
-    ]
-    gateway = RuntimeProcess("gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp, env=env, port=free_port())
-    with running(*procs, gateway):
-        for proc in (*procs, gateway):
-            proc.wait_healthy()
-        yield procs[0], procs[1], gateway
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _wav(body: bytes) -> tuple[int, np.ndarray]:
-    with wave.open(io.BytesIO(body)) as wav:
-        assert (wav.getnchannels(), wav.getsampwidth()) == (1, 2)
-        return wav.getframerate(), np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
+    with split_deployment(pipeline, tmp_path_factory.mktemp("tts-split"), _env(model_cache)) as procs:
+        yield procs["acoustic"], procs["vocoder"], procs["gateway"]
 
 
 def _streamed(client: openai.OpenAI, text: str) -> tuple[int, list[bytes]]:
@@ -93,16 +63,15 @@ def _streamed(client: openai.OpenAI, text: str) -> tuple[int, list[bytes]]:
 
 
 def test_openai_client_gets_audio_and_its_stream_equals_the_whole_response(serve: RuntimeProcess) -> None:
-    client = _client(serve.url)
+    client = openai_client(serve.url)
     whole = client.audio.speech.create(model="tts", voice="alto", input=TEXT)
-    rate, samples = _wav(whole.content)
-    assert rate == 16000
+    samples = wav_samples(whole.content, rate=16000)
     # The tiny model speaks 4 mel frames (of 256 samples) per token, the text is ~46 tokens.
     assert 40 * 4 * 256 <= len(samples) <= 50 * 4 * 256
     assert np.abs(samples).mean() > 300  # audible, not silence
 
     stream_rate, chunks = _streamed(client, TEXT)
-    assert stream_rate == rate
+    assert stream_rate == 16000
     streamed = np.frombuffer(b"".join(chunks), "<i2")
     assert streamed.shape == samples.shape
     # Stated tolerance: chunked vocoding rounds differently from one whole pass; at most 1 LSB.
@@ -127,7 +96,7 @@ def test_separate_stage_processes_give_the_same_audio_as_in_process(
     serve: RuntimeProcess, split: tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess]
 ) -> None:
     acoustic, vocoder, gateway = split
-    local, remote = _client(serve.url), _client(gateway.url)
+    local, remote = openai_client(serve.url), openai_client(gateway.url)
     assert remote.audio.speech.create(model="tts", voice="bass", input=TEXT, speed=1.25).content == (
         local.audio.speech.create(model="tts", voice="bass", input=TEXT, speed=1.25).content
     )

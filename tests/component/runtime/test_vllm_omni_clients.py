@@ -7,9 +7,6 @@ served.
 
 from __future__ import annotations
 
-import base64
-import io
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from PIL import Image
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from runtime_procs import openai_client, png_pixels, running, runtime_env, serve_process
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -28,13 +24,7 @@ THREADS = {"OMP_NUM_THREADS": 1}
 
 
 def _serve(preset: str, tmp: Path, model_cache: Path, **env: Any) -> Iterator[str]:
-    proc = RuntimeProcess(
-        f"serve-{preset}",
-        ["serve", "--preset", preset, "--model", f"tiny://{preset}"],
-        log_dir=tmp,
-        env=runtime_env(model_cache, **THREADS, **env),
-        port=free_port(),
-    )
+    proc = serve_process(preset, tmp, runtime_env(model_cache, **THREADS, **env))
     with running(proc):
         proc.wait_healthy(timeout=300)
         yield proc.url
@@ -45,16 +35,10 @@ def t2i(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator
     yield from _serve("text-to-image", tmp_path_factory.mktemp("t2i"), model_cache)
 
 
-def _png(b64: str) -> np.ndarray:
-    raw = base64.b64decode(b64)
-    assert raw.startswith(b"\x89PNG\r\n\x1a\n")
-    return np.asarray(Image.open(io.BytesIO(raw)))
-
-
 def _chat_images(body: dict[str, Any]) -> list[np.ndarray]:
     # What examples/online_serving/text_to_image/openai_chat_client.py (and the curl example) read.
     content = body["choices"][0]["message"]["content"]
-    return [_png(part["image_url"]["url"].split(",", 1)[1]) for part in content]
+    return [png_pixels(part["image_url"]["url"].split(",", 1)[1]) for part in content]
 
 
 def test_text_to_image_chat_client_and_benchmark_get_the_size_steps_and_seed_they_ask_for(t2i: str) -> None:
@@ -105,43 +89,39 @@ def test_images_api_with_nested_extra_body_and_stream(t2i: str) -> None:
     body = {"prompt": "a fox", "size": "32x16", "extra_body": {"seed": 7, "num_inference_steps": 2}}
     resp = httpx.post(f"{t2i}/v1/images/generations", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
-    nested = _png(resp.json()["data"][0]["b64_json"])
+    nested = png_pixels(resp.json()["data"][0]["b64_json"])
     assert nested.shape == (16, 32, 3)
 
-    client = openai.OpenAI(base_url=f"{t2i}/v1", api_key="unused", max_retries=0, timeout=120)
-    flat = client.images.generate(
-        prompt="a fox",
-        size="32x16",  # type: ignore[arg-type]
-        extra_body={"seed": 7, "num_inference_steps": 2},
-    )
-    assert flat.data is not None
-    assert np.array_equal(_png(flat.data[0].b64_json or ""), nested)
-
-    events = list(
-        client.images.generate(
+    with openai_client(t2i) as client:
+        flat = client.images.generate(
             prompt="a fox",
             size="32x16",  # type: ignore[arg-type]
-            stream=True,
             extra_body={"seed": 7, "num_inference_steps": 2},
         )
-    )
+        assert flat.data is not None
+        assert np.array_equal(png_pixels(flat.data[0].b64_json or ""), nested)
+
+        events = list(
+            client.images.generate(
+                prompt="a fox",
+                size="32x16",  # type: ignore[arg-type]
+                stream=True,
+                extra_body={"seed": 7, "num_inference_steps": 2},
+            )
+        )
     assert [e.type for e in events] == ["image_generation.completed"]
-    assert np.array_equal(_png(events[0].b64_json), nested)
-
-
-def _wav_rate(b64: str) -> int:
-    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
-        assert w.getnframes() > 0
-        return w.getframerate()
+    assert np.array_equal(png_pixels(events[0].b64_json), nested)
 
 
 def test_speech_takes_openai_voice_names_and_lists_the_voices_otherwise(tmp_path: Path, model_cache: Path) -> None:
     for url in _serve("tts", tmp_path, model_cache):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        audio = client.audio.speech.create(model="tts", input="Hello there.", voice="alloy", response_format="wav")
-        assert audio.content.startswith(b"RIFF")
-        default = client.audio.speech.create(model="tts", input="Hello there.", voice="default", response_format="wav")
-        assert len(default.content) == len(audio.content)
-        with pytest.raises(openai.BadRequestError) as err:
-            client.audio.speech.create(model="tts", input="Hello there.", voice="nobody-here")
-        assert "speaks with: " in str(err.value)
+        with openai_client(url) as client:
+            audio = client.audio.speech.create(model="tts", input="Hello there.", voice="alloy", response_format="wav")
+            assert audio.content.startswith(b"RIFF")
+            default = client.audio.speech.create(
+                model="tts", input="Hello there.", voice="default", response_format="wav"
+            )
+            assert len(default.content) == len(audio.content)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.audio.speech.create(model="tts", input="Hello there.", voice="nobody-here")
+            assert "speaks with: " in str(err.value)

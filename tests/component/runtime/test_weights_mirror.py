@@ -5,8 +5,6 @@ models over the Hub protocol, the real ``huggingface_hub`` client in ``omnimodel
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import subprocess
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env, wait_for
+from runtime_procs import free_port, png_pixels, running, runtime_env, serve_process, stage_process, wait_for
 
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, get_preset, needs_weight_map, select_files
 from omnimodel_testbed.hfmirror import HubMirror, shard_by_prefix
@@ -344,13 +342,7 @@ def test_fetch_then_serve_answers_an_image_request_offline(bed: Bed, tmp_path: P
     env = runtime_env(model_cache, OMP_NUM_THREADS=1, TMPDIR=str(tmp_path))
     env = {k: v for k, v in env.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=bed.mirror.url, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    serve = RuntimeProcess(
-        "serve",
-        ["serve", "--preset", "text-to-image", "--model", f"hf://{T2I}"],
-        log_dir=tmp_path,
-        env=env,
-        port=free_port(),
-    )
+    serve = serve_process("text-to-image", tmp_path, env, model=f"hf://{T2I}")
     with running(serve):
         serve.wait_healthy(timeout=180)
         resp = httpx.post(
@@ -360,10 +352,7 @@ def test_fetch_then_serve_answers_an_image_request_offline(bed: Bed, tmp_path: P
         )
         log = serve.log_tail(20000)
     assert resp.status_code == 200, resp.text
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(base64.b64decode(resp.json()["data"][0]["b64_json"])))
-    assert image.size == (32, 32)
+    assert png_pixels(resp.json()["data"][0]["b64_json"]).shape == (32, 32, 3)
     assert bed.mirror.access_log(since=mark) == []  # every stage loaded from the cache
     for stage in ("encode", "denoise", "decode"):
         assert f"stage {stage} loads {T2I}@{bed.shas[T2I]} from the cache" in log
@@ -377,9 +366,7 @@ def test_a_stage_process_without_a_cache_loads_what_it_downloaded(bed: Bed, tmp_
     env = {k: v for k, v in env.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=bed.mirror.url, HF_HUB_CACHE=str(tmp_path / "emptydir"))
     mark = bed.mirror.log_mark()
-    stage = RuntimeProcess(
-        "decode", ["stage", "--pipeline", str(path), "--stage", "decode"], log_dir=tmp_path, env=env, port=free_port()
-    )
+    stage = stage_process(path, "decode", free_port(), log_dir=tmp_path, env=env)
     with running(stage):
         stage.wait_healthy(timeout=180)
     assert bed.mirror.downloads(since=mark) == bed.expected(T2I, "decode")

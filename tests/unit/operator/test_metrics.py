@@ -42,24 +42,6 @@ def body(kube: FakeKube, name: str) -> dict[str, Any]:
     return copy.deepcopy(obj)
 
 
-def mark_rolled_out(kube: FakeKube) -> None:
-    """What the deployment controller reports once every pod is updated and available."""
-    for deploy in kube.of_kind("Deployment"):
-        n = deploy["spec"].get("replicas", 1)
-        kube.set_status(
-            "Deployment",
-            deploy["metadata"]["namespace"],
-            deploy["metadata"]["name"],
-            {
-                "observedGeneration": deploy["metadata"]["generation"],
-                "replicas": n,
-                "readyReplicas": n,
-                "updatedReplicas": n,
-                "availableReplicas": n,
-            },
-        )
-
-
 def value(metrics: OperatorMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -117,7 +99,7 @@ async def test_a_no_op_pass_adds_no_request_counts(kube: FakeKube, metrics: Oper
     kube.put(example("qwen-omni.yaml"))
     client = InstrumentedKube(kube, metrics)
     await run(client, kube, "qwen-omni")
-    mark_rolled_out(kube)
+    kube.mark_rolled_out()
     await run(client, kube, "qwen-omni")  # Ready: a status write and an event
     before = requests_by_verb(metrics)
     await run(client, kube, "qwen-omni")

@@ -1,4 +1,4 @@
-"""Fixtures for runtime unit tests (helpers live in ``runtime_fakes``)."""
+"""Fixtures for runtime unit tests (helpers live in ``runtime_fakes`` and ``omni_fakes``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import openai
 import pytest
 
 # pytest runs with --import-mode=importlib, which puts no test directory on sys.path; the test modules
-# here share runtime_fakes.py (plain helpers, not fixtures), so this directory goes on the path first.
+# here share runtime_fakes.py and omni_fakes.py (plain helpers, not fixtures), so this directory goes on the
+# path first.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from omni_fakes import OmniServe
 from runtime_fakes import FakeServe, asgi_client, lifespan, openai_client
 
 
@@ -33,3 +35,17 @@ async def http(fake_serve: FakeServe) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 def client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
     return openai_client(http)
+
+
+@pytest.fixture
+async def omni() -> AsyncIterator[OmniServe]:
+    """The fake omni stages (omni_fakes.py) behind the gateway app, started."""
+    serve = OmniServe()
+    async with lifespan(serve.app):
+        yield serve
+
+
+@pytest.fixture
+async def omni_http(omni: OmniServe) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(omni.app) as client:
+        yield client

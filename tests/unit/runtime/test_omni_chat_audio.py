@@ -4,145 +4,32 @@ asked (voice, chunking), and how bad input and failures look. The real engines: 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
 import wave
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
+from omni_fakes import RATE, WORDS, OmniServe, expected_waveform
 from runtime_fakes import (
     asgi_client,
-    fake_context,
     lifespan,
-    omni_pipeline,
     openai_client,
     serve_on_loopback,
     sse_events,
 )
 
-from omnimodel_runtime.engines.base import Engine
-from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.gateway import build_app
-from omnimodel_runtime.metrics import StageMetricsFamily
-from omnimodel_runtime.protocol.speech import resolve_voice
-from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, TensorFrame, TextFrame, Usage
 from omnimodel_runtime.settings import RuntimeSettings
-from omnimodel_runtime.stage.handle import StageHandle
-from omnimodel_runtime.stage.local import LocalStage
 
 USER = [{"role": "user", "content": "Say something."}]
-WORDS = 6
-RATE = 24000
-VOICES = ("Chelsie", "Ethan")
 
 
-class Thinker(Engine):
-    """WORDS text deltas, each followed by a row; for the streaming test it holds back its last word
-    until audio has reached the client (``go``)."""
-
-    async def start(self) -> None:
-        self.go = asyncio.Event()
-        self.go.set()
-        self.requests: list[StageInput] = []
-        self.voices: list[str] = []
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        self.requests.append(inp)
-        # The real stages' resolution of a voice onto the speaker map.
-        self.voices.append(resolve_voice(inp.request.params.voice, VOICES, VOICES[0], param="audio.voice"))
-        for i in range(WORDS):
-            if i == WORDS - 1:
-                await self.go.wait()
-            yield TextFrame(text=f" w{i}", token_ids=(i,))
-            yield TensorFrame({"rows": np.full((1, 4), i, dtype=np.float32)}, meta={"kind": "omni.thinker.reply"})
-        yield FinalFrame("stop", Usage(prompt_tokens=3, completion_tokens=WORDS))
-
-
-class Talker(Engine):
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        assert inp.upstream is not None
-        async for frame in inp.upstream:
-            if isinstance(frame, TensorFrame):
-                yield TensorFrame({"codes": np.array([int(frame.tensors["rows"][0, 0])])}, meta={"kind": "codes"})
-        yield FinalFrame("stop", Usage(completion_tokens=WORDS))
-
-
-class Code2Wav(Engine):
-    """One audio chunk per code: a 10 ms constant tone at amplitude (code + 1) / 10; FAIL_AUDIO in the
-    prompt makes it fail after its first chunk."""
-
-    async def start(self) -> None:
-        self.requests: list[StageInput] = []
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
-        self.requests.append(inp)
-        assert inp.upstream is not None
-        fail = "FAIL_AUDIO" in str(inp.request.messages)
-        async for frame in inp.upstream:
-            if isinstance(frame, TensorFrame):
-                code = int(frame.tensors["codes"][0])
-                yield TensorFrame(
-                    {"audio": np.full(RATE // 100, (code + 1) / 10, dtype=np.float32)},
-                    meta={"modality": "audio", "sample_rate": RATE},
-                )
-                if fail:
-                    raise StageError("vocoder exploded", status=500)
-        yield FinalFrame("stop")
-
-
-class OmniServe:
-    def __init__(self, settings: RuntimeSettings | None = None) -> None:
-        self.pipeline = omni_pipeline()
-        registry = CollectorRegistry()
-        family = StageMetricsFamily(registry)
-        thinker, talker, code2wav = self.pipeline.stages
-        self.thinker = Thinker(fake_context(thinker))
-        self.code2wav = Code2Wav(fake_context(code2wav))
-        engines = {"thinker": self.thinker, "talker": Talker(fake_context(talker)), "code2wav": self.code2wav}
-        handles: dict[str, StageHandle] = {
-            s.name: LocalStage(s, engines[s.name], family.for_stage(s.name)) for s in self.pipeline.stages
-        }
-        self.app = build_app(settings or RuntimeSettings(), self.pipeline, handles, registry=registry)
-
-
-@pytest.fixture
-async def omni() -> AsyncIterator[OmniServe]:
-    serve = OmniServe()
-    async with lifespan(serve.app):
-        yield serve
-
-
-@pytest.fixture
-async def http(omni: OmniServe) -> AsyncIterator[httpx.AsyncClient]:
-    async with asgi_client(omni.app) as client:
-        yield client
-
-
-def expected_waveform() -> np.ndarray:
-    return np.concatenate([np.full(RATE // 100, (i + 1) / 10, dtype=np.float32) for i in range(WORDS)])
-
-
-async def test_openai_client_gets_text_and_a_wav_that_decodes(omni: OmniServe, http: httpx.AsyncClient) -> None:
-    client = openai_client(http)
+async def test_openai_client_gets_text_and_a_wav_that_decodes(omni: OmniServe, omni_http: httpx.AsyncClient) -> None:
+    client = openai_client(omni_http)
     reply = await client.chat.completions.create(
         model="qwen2.5-omni", messages=USER, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}
     )
@@ -162,8 +49,8 @@ async def test_openai_client_gets_text_and_a_wav_that_decodes(omni: OmniServe, h
     assert (params.voice, params.audio_chunked) == ("Ethan", False)
 
 
-async def test_pcm16_format_returns_raw_samples(http: httpx.AsyncClient) -> None:
-    reply = await openai_client(http).chat.completions.create(
+async def test_pcm16_format_returns_raw_samples(omni_http: httpx.AsyncClient) -> None:
+    reply = await openai_client(omni_http).chat.completions.create(
         model="qwen2.5-omni", messages=USER, modalities=["audio"], audio={"voice": "Chelsie", "format": "pcm16"}
     )
     assert reply.choices[0].message.audio is not None
@@ -171,13 +58,13 @@ async def test_pcm16_format_returns_raw_samples(http: httpx.AsyncClient) -> None
     np.testing.assert_array_equal(np.frombuffer(raw, "<i2"), np.round(expected_waveform() * 32767).astype("<i2"))
 
 
-async def test_vllm_omni_speaker_names_the_voice(omni: OmniServe, http: httpx.AsyncClient) -> None:
+async def test_vllm_omni_speaker_names_the_voice(omni: OmniServe, omni_http: httpx.AsyncClient) -> None:
     body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], "speaker": "Ethan"}
-    assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+    assert (await omni_http.post("/v1/chat/completions", json=body)).status_code == 200
     assert omni.thinker.requests[-1].request.params.voice == "Ethan"
     # Naming two different voices is a mistake the client should hear about.
     body["audio"] = {"voice": "Chelsie"}
-    resp = await http.post("/v1/chat/completions", json=body)
+    resp = await omni_http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "speaker"
 
@@ -238,9 +125,9 @@ async def stream_and_check(omni: OmniServe, http: httpx.AsyncClient) -> None:
         ({"modalities": ["text", "audio"], "messages": []}, "messages"),
     ],
 )
-async def test_bad_input_is_a_400_envelope(http: httpx.AsyncClient, body: dict[str, object], param: str) -> None:
+async def test_bad_input_is_a_400_envelope(omni_http: httpx.AsyncClient, body: dict[str, object], param: str) -> None:
     for stream in (False, True):
-        resp = await http.post(
+        resp = await omni_http.post(
             "/v1/chat/completions", json={"model": "qwen2.5-omni", "messages": USER, "stream": stream, **body}
         )
         assert resp.status_code == 400, resp.text
@@ -248,21 +135,21 @@ async def test_bad_input_is_a_400_envelope(http: httpx.AsyncClient, body: dict[s
         assert (error["type"], error["param"]) == ("invalid_request_error", param)
 
 
-async def test_a_stage_failing_mid_stream_ends_with_an_error_chunk_and_done(http: httpx.AsyncClient) -> None:
+async def test_a_stage_failing_mid_stream_ends_with_an_error_chunk_and_done(omni_http: httpx.AsyncClient) -> None:
     body = {
         "model": "qwen2.5-omni",
         "messages": [{"role": "user", "content": "FAIL_AUDIO"}],
         "modalities": ["text", "audio"],
         "stream": True,
     }
-    resp = await http.post("/v1/chat/completions", json=body)
+    resp = await omni_http.post("/v1/chat/completions", json=body)
     events = sse_events(resp.text)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "vocoder exploded"
 
 
-async def test_non_streamed_failure_is_an_error_envelope(http: httpx.AsyncClient) -> None:
-    client = openai_client(http)
+async def test_non_streamed_failure_is_an_error_envelope(omni_http: httpx.AsyncClient) -> None:
+    client = openai_client(omni_http)
     with pytest.raises(openai.InternalServerError, match="vocoder exploded"):
         await client.chat.completions.create(
             model="qwen2.5-omni", messages=[{"role": "user", "content": "FAIL_AUDIO"}], modalities=["text", "audio"]
@@ -284,10 +171,10 @@ async def test_non_streamed_failure_is_an_error_envelope(http: httpx.AsyncClient
     ],
 )
 async def test_voice_names_of_openai_and_vllm_omni_clients_map_onto_the_speakers(
-    http: httpx.AsyncClient, omni: OmniServe, fields: dict[str, object], spoken: str
+    omni_http: httpx.AsyncClient, omni: OmniServe, fields: dict[str, object], spoken: str
 ) -> None:
     body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], **fields}
-    resp = await http.post("/v1/chat/completions", json=body)
+    resp = await omni_http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert omni.thinker.voices == [spoken]
 
@@ -301,10 +188,10 @@ async def test_voice_names_of_openai_and_vllm_omni_clients_map_onto_the_speakers
     ],
 )
 async def test_an_unknown_or_contradictory_voice_is_a_400_listing_the_voices(
-    http: httpx.AsyncClient, fields: dict[str, object], param: str
+    omni_http: httpx.AsyncClient, fields: dict[str, object], param: str
 ) -> None:
     body = {"model": "qwen2.5-omni", "messages": USER, "modalities": ["text", "audio"], **fields}
-    resp = await http.post("/v1/chat/completions", json=body)
+    resp = await omni_http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param

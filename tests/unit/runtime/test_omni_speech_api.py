@@ -1,31 +1,16 @@
 """``/v1/audio/speech`` on the omni preset, against the fake thinker/talker/code2wav engines of
-test_omni_chat_audio.py: what the thinker is asked (speak the input, not answer it) and that only audio
+omni_fakes.py: what the thinker is asked (speak the input, not answer it) and that only audio
 comes back, although the thinker writes text. The real engines: tests/component/runtime/test_omni_speech.py."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import numpy as np
 import pytest
-from runtime_fakes import asgi_client, lifespan, openai_client
-from test_omni_chat_audio import RATE, OmniServe, expected_waveform
+from omni_fakes import RATE, OmniServe, expected_waveform
+from runtime_fakes import openai_client
 
 from omnimodel_runtime.protocol.stage import StageParams
-
-
-@pytest.fixture
-async def omni() -> AsyncIterator[OmniServe]:
-    serve = OmniServe()
-    async with lifespan(serve.app):
-        yield serve
-
-
-@pytest.fixture
-async def http(omni: OmniServe) -> AsyncIterator[httpx.AsyncClient]:
-    async with asgi_client(omni.app) as client:
-        yield client
 
 
 def pcm_of_the_pipeline() -> bytes:
@@ -33,9 +18,9 @@ def pcm_of_the_pipeline() -> bytes:
 
 
 async def test_the_thinker_is_told_to_speak_the_input_and_only_audio_comes_back(
-    omni: OmniServe, http: httpx.AsyncClient
+    omni: OmniServe, omni_http: httpx.AsyncClient
 ) -> None:
-    resp = await openai_client(http).audio.speech.create(
+    resp = await openai_client(omni_http).audio.speech.create(
         model="qwen2.5-omni", voice="Ethan", input="Read me.", response_format="pcm"
     )
     assert resp.response.headers["content-type"] == "audio/pcm"
@@ -50,8 +35,8 @@ async def test_the_thinker_is_told_to_speak_the_input_and_only_audio_comes_back(
     assert omni.code2wav.requests[0].request.stream is False
 
 
-async def test_a_stream_is_raw_pcm_and_chunked_on_code2wav(omni: OmniServe, http: httpx.AsyncClient) -> None:
-    resp = await http.post(
+async def test_a_stream_is_raw_pcm_and_chunked_on_code2wav(omni: OmniServe, omni_http: httpx.AsyncClient) -> None:
+    resp = await omni_http.post(
         "/v1/audio/speech",
         json={"model": "qwen2.5-omni", "input": "Read me.", "voice": "Chelsie", "stream": True, "seed": 3},
     )
@@ -64,9 +49,9 @@ async def test_a_stream_is_raw_pcm_and_chunked_on_code2wav(omni: OmniServe, http
 
 @pytest.mark.parametrize("seed", [2**64, 2**63])
 async def test_a_seed_no_generator_takes_is_a_400_naming_it(
-    omni: OmniServe, http: httpx.AsyncClient, seed: int
+    omni: OmniServe, omni_http: httpx.AsyncClient, seed: int
 ) -> None:
-    resp = await http.post("/v1/audio/speech", json={"model": "qwen2.5-omni", "input": "Read me.", "seed": seed})
+    resp = await omni_http.post("/v1/audio/speech", json={"model": "qwen2.5-omni", "input": "Read me.", "seed": seed})
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "seed"
     assert omni.thinker.requests == []

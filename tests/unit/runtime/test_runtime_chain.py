@@ -126,17 +126,19 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-async def handles_for(mode: str, pipeline: Pipeline, stack: AsyncExitStack):  # type: ignore[no-untyped-def]
-    return await (local_handles if mode == "local" else remote_handles)(pipeline, stack)
+async def chain(mode: str, stack: AsyncExitStack) -> tuple[Orchestrator, Thinker, dict[str, Engine]]:
+    """The fake thinker -> talker -> code2wav chain, in process (``local``) or through stage servers
+    (``remote``): its orchestrator, its thinker, and every engine."""
+    pipeline = omni_pipeline()
+    handles, made = await (local_handles if mode == "local" else remote_handles)(pipeline, stack)
+    thinker = made["thinker"]
+    assert isinstance(thinker, Thinker)
+    return Orchestrator(pipeline, handles), thinker, made
 
 
 async def test_audio_reaches_the_client_while_the_thinker_is_still_generating(mode: str) -> None:
-    pipeline = omni_pipeline()
     async with AsyncExitStack() as stack:
-        handles, made = await handles_for(mode, pipeline, stack)
-        thinker = made["thinker"]
-        assert isinstance(thinker, Thinker)
-        orchestrator = Orchestrator(pipeline, handles)
+        orchestrator, thinker, made = await chain(mode, stack)
         request = StageRequest(request_id="r1", prompt="hi")
         got: list[tuple[str, str]] = []
 
@@ -163,13 +165,9 @@ async def test_audio_reaches_the_client_while_the_thinker_is_still_generating(mo
 
 
 async def test_text_only_request_runs_only_the_thinker(mode: str) -> None:
-    pipeline = omni_pipeline()
     async with AsyncExitStack() as stack:
-        handles, made = await handles_for(mode, pipeline, stack)
-        thinker = made["thinker"]
-        assert isinstance(thinker, Thinker)
+        orchestrator, thinker, _ = await chain(mode, stack)
         thinker.go.set()
-        orchestrator = Orchestrator(pipeline, handles)
         frames = [
             (s.name, f)
             async for s, f in orchestrator.generate_chain(StageRequest(request_id="r", prompt="x"), [Modality.TEXT])
@@ -179,13 +177,9 @@ async def test_text_only_request_runs_only_the_thinker(mode: str) -> None:
 
 
 async def test_an_upstream_failure_fails_the_request_and_stops_the_chain(mode: str) -> None:
-    pipeline = omni_pipeline()
     async with AsyncExitStack() as stack:
-        handles, made = await handles_for(mode, pipeline, stack)
-        thinker = made["thinker"]
-        assert isinstance(thinker, Thinker)
+        orchestrator, thinker, _ = await chain(mode, stack)
         thinker.go.set()
-        orchestrator = Orchestrator(pipeline, handles)
         request = StageRequest(request_id="r", prompt="FAIL")
         with pytest.raises(StageError, match="thinker exploded"):
             async for _ in orchestrator.generate_chain(request, [Modality.TEXT, Modality.AUDIO]):
@@ -193,12 +187,8 @@ async def test_an_upstream_failure_fails_the_request_and_stops_the_chain(mode: s
 
 
 async def test_client_going_away_cancels_every_stage() -> None:
-    pipeline = omni_pipeline()
     async with AsyncExitStack() as stack:
-        handles, made = await local_handles(pipeline, stack)
-        thinker = made["thinker"]
-        assert isinstance(thinker, Thinker)
-        orchestrator = Orchestrator(pipeline, handles)
+        orchestrator, thinker, _ = await chain("local", stack)
         stream = orchestrator.generate_chain(StageRequest(request_id="r", prompt="x"), [Modality.AUDIO])
         async for stage, frame in stream:
             if stage.name == "code2wav" and isinstance(frame, TensorFrame):
