@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import pytest_asyncio
 from PIL import Image
-
-from omnimodel_runtime.serve import build_serve_app, serve_pipeline
-from omnimodel_runtime.settings import RuntimeSettings
+from runtime_procs import Served, serve_fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -54,15 +49,12 @@ def pixels(png_bytes: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png_bytes)))
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http(model_cache: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = RuntimeSettings(model_cache=model_cache, device="cpu")
-    app = build_serve_app(settings, serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"))
-    async with app.router.lifespan_context(app):
-        await app.state.startup.wait()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=300) as client:
-            yield client
+serve = serve_fixture(MODEL, "tiny_edit")
+
+
+@pytest.fixture
+def http(serve: Served) -> httpx.AsyncClient:
+    return serve.http
 
 
 async def test_vllm_omnis_image_edit_client_gets_the_images_edit_image(http: httpx.AsyncClient) -> None:
