@@ -79,6 +79,17 @@ class VideoCreateRequest(OpenAIBaseModel):
     guidance_scale_2: Guidance | None = None
     negative_prompt: str | None = None
     seed: Seed | None = None
+    # vLLM-Omni's example clients send the size as width and height form fields.
+    width: Annotated[int, Field(ge=1, le=MAX_VIDEO_SIDE)] | None = None
+    # Validated even when absent: the check that width and height come together lives on it.
+    height: Annotated[int | None, Field(ge=1, le=MAX_VIDEO_SIDE, validate_default=True)] = None
+    # vLLM-Omni's fields this server does not serve per request: only their neutral values, anything else
+    # a 400 naming the field rather than a setting silently ignored. One video per job; the experts'
+    # boundary and the scheduler's shift are the checkpoint's (its model_index and scheduler config).
+    n: Literal[1] = 1
+    boundary_ratio: None = None
+    flow_shift: None = None
+    lora: None = None
     # OpenAI's image-to-video reference: a text-to-video model has nothing to do with it.
     input_reference: None = None
 
@@ -109,8 +120,18 @@ class VideoCreateRequest(OpenAIBaseModel):
             raise PydanticCustomError("video_length", "send seconds or num_frames, not both")
         return value
 
+    @field_validator("height")
+    @classmethod
+    def _one_size(cls, height: int | None, info: ValidationInfo) -> int | None:
+        width, size = info.data.get("width"), info.data.get("size")
+        if (width is None) != (height is None):
+            raise PydanticCustomError("video_size", "width and height must be given together")
+        if size is not None and width is not None and parse_size(size) != (width, height):
+            raise PydanticCustomError("video_size", "disagrees with size; send size, or width and height")
+        return height
+
     def params(self) -> TextToVideoParams:
-        width, height = parse_size(self.size) if self.size is not None else (None, None)
+        width, height = parse_size(self.size) if self.size is not None else (self.width, self.height)
         return TextToVideoParams(
             width=width,
             height=height,

@@ -158,6 +158,26 @@ async def test_create_poll_download_list_delete(client: openai.AsyncOpenAI, serv
     assert (await client.videos.list()).data == []
 
 
+async def test_vllm_omnis_form_fields(http: httpx.AsyncClient, serve: VideoServe) -> None:
+    """vLLM-Omni's example client: a form with width, height, num_frames, fps, guidance_scale_2."""
+    form = {"prompt": "cats boxing", "width": "832", "height": "480", "num_frames": "33", "fps": "16"}
+    form |= {"num_inference_steps": "40", "guidance_scale": "4.0", "guidance_scale_2": "4.0", "seed": "42"}
+    answer = await http.post("/v1/videos", data=form)
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["size"], answer.json()["seconds"]) == ("832x480", "2.06")
+    (inp,) = serve.engine.requests
+    assert inp.request.params.video == TextToVideoParams(
+        width=832,
+        height=480,
+        num_frames=33,
+        fps=16,
+        num_inference_steps=40,
+        guidance_scale=4.0,
+        guidance_scale_2=4.0,
+        seed=42,
+    )
+
+
 async def test_json_body_and_seconds(http: httpx.AsyncClient, serve: VideoServe) -> None:
     answer = await http.post("/v1/videos", json={"prompt": "waves", "seconds": "4", "size": "832x480"})
     assert answer.status_code == 200, answer.text
@@ -178,6 +198,11 @@ async def test_json_body_and_seconds(http: httpx.AsyncClient, serve: VideoServe)
         ({"prompt": "x", "num_inference_steps": "many"}, "num_inference_steps"),
         ({"prompt": "  "}, "prompt"),
         ({"size": "64x64"}, "prompt"),
+        ({"prompt": "x", "width": 64}, "height"),
+        ({"prompt": "x", "width": 64, "height": 32, "size": "32x32"}, "height"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "flow_shift": 5.0}, "flow_shift"),
+        ({"prompt": "x", "boundary_ratio": 0.9}, "boundary_ratio"),
     ],
 )
 async def test_bad_requests_are_400s_naming_the_field(
