@@ -27,7 +27,7 @@ import torch
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.t2v.diffusers import DiffusersVideoEngine
+from omnimodel_runtime.engines.t2v.diffusers import KEEPALIVE, DiffusersVideoEngine
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import ModelSource, get_preset
 from omnimodel_runtime.protocol.stage import (
@@ -205,3 +205,24 @@ async def test_a_caller_that_leaves_stops_the_denoise_loop(engine: DiffusersVide
             hook.remove()
     # Two transformer calls a step (guidance on): the 200-step request stopped within a few steps.
     assert len(calls) < 2 * 10 + 2 * 2
+
+
+async def test_a_queued_request_gets_keepalive_frames_until_it_runs(engine: DiffusersVideoEngine) -> None:
+    """A gateway reading a remote stage must hear from a job waiting behind another one."""
+    engine.keepalive = 0.05
+    try:
+        long = engine.generate(request(num_frames=5, num_inference_steps=200, seed=2))
+        waiting = engine.generate(request(num_frames=5, num_inference_steps=2, seed=3))
+        async with contextlib.aclosing(long), contextlib.aclosing(waiting):
+            async for frame in long:
+                if isinstance(frame, TensorFrame) and frame.meta.get("progress", 0) > 0:
+                    break  # the long one runs on the worker
+            kinds = []
+            async for frame in waiting:
+                assert isinstance(frame, TensorFrame)
+                kinds.append(next(iter(frame.meta)))
+                if kinds.count("keepalive") == 3:
+                    break
+            assert kinds[0] == "accepted" and "progress" not in kinds  # still queued behind the long one
+    finally:
+        engine.keepalive = KEEPALIVE

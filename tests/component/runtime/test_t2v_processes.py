@@ -22,6 +22,8 @@ import pytest
 from openai.types import Video
 from runtime_procs import RuntimeProcess, free_port, running, runtime_env
 
+from omnimodel_runtime.serve import serve_pipeline
+
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.slow,
@@ -112,3 +114,53 @@ def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, 
         with pytest.raises(openai.NotFoundError):
             client.videos.retrieve(created.id)
         assert [v.id for v in client.videos.list().data] == [after.id, slow.id]
+
+
+def test_a_job_queued_on_a_remote_stage_outlives_the_stage_read_timeout(
+    tmp_path: Path, model_cache: Path, tiny_t2v: Path
+) -> None:
+    """``omnimodel stage`` behind ``omnimodel gateway``, the gateway's stage read timeout 2 s: a job that
+    waits longer than that behind another one still completes, because the stage sends keep-alive frames
+    (every 0.5 s here, ``engine_args.keepalive``) while it is queued."""
+    port = free_port()
+    pipeline = serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu")
+    (stage,) = pipeline.stages
+    stage = stage.model_copy(update={"endpoints": (f"http://127.0.0.1:{port}",), "engine_args": {"keepalive": 0.5}})
+    path = tmp_path / "pipeline.json"
+    path.write_text(pipeline.model_copy(update={"stages": (stage,)}).to_json())
+    env = runtime_env(model_cache, OMP_NUM_THREADS=1, OMNIMODEL_HEALTH_INTERVAL=0.5, OMNIMODEL_STAGE_READ_TIMEOUT=2.0)
+    proc = RuntimeProcess(
+        "generate", ["stage", "--pipeline", str(path), "--stage", "generate"], log_dir=tmp_path, env=env, port=port
+    )
+    gateway = RuntimeProcess(
+        "gateway", ["gateway", "--pipeline", str(path)], log_dir=tmp_path, env=env, port=free_port()
+    )
+    with running(proc, gateway):
+        proc.wait_healthy()
+        gateway.wait_healthy()
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        # About 6 s of this CPU's work (20 steps of 256x256x81), then the short job behind it.
+        first = client.videos.create(
+            model=MODEL,
+            prompt="a storm",
+            size="256x256",  # type: ignore[arg-type]
+            extra_body={"num_frames": 81, "num_inference_steps": 20, "seed": 1},
+        )
+        second = client.videos.create(
+            model=MODEL,
+            prompt="a lighthouse",
+            size="32x32",  # type: ignore[arg-type]
+            extra_body={"num_frames": 9, "num_inference_steps": 2, "seed": 2},
+        )
+        with pytest.raises(openai.BadRequestError) as err:  # the stage's own check, across the hop
+            client.videos.create(model=MODEL, prompt="x", extra_body={"num_frames": 6})
+        assert err.value.body is not None
+        assert err.value.body["param"] == "num_frames"  # type: ignore[index]
+        done = finished(client, second.id)
+        assert (done.status, done.error) == ("completed", None)
+        assert finished(client, first.id).status == "completed"
+        first_done = client.videos.retrieve(first.id).completed_at
+        assert first_done is not None and done.completed_at is not None and done.completed_at >= first_done
+        with av.open(io.BytesIO(client.videos.download_content(second.id).content)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == 9 and frames[0].shape == (32, 32, 3)

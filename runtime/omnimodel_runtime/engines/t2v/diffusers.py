@@ -12,7 +12,9 @@ noise on the CPU and moves it). What the stage sends back, in order:
   percent; 100 only with the result);
 - one ``TensorFrame``: the MP4 file (:data:`VIDEO_TENSOR`, encoded here with PyAV, so only the file
   crosses to the gateway) or, with ``output="frames"``, the uint8 frames (:data:`FRAMES_TENSOR`);
-- a ``FinalFrame``.
+- a ``FinalFrame``;
+- and every :data:`KEEPALIVE` seconds (``engine_args.keepalive``) until then, ``meta["keepalive"]`` frames
+  (nothing else in them).
 
 Videos are not batched: one Wan video already fills an accelerator for minutes, so a second one waits in
 the queue. A caller that goes away (a deleted job) stops the denoise loop at its next step.
@@ -20,6 +22,7 @@ the queue. A caller that goes away (a deleted job) stops the denoise loop at its
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -54,6 +57,10 @@ log = logging.getLogger(__name__)
 
 # Wan2.2-T2V-A14B's frame rate (its 81 default frames are ~5 s); engine_args.fps overrides it.
 DEFAULT_FPS: Final = 16
+# Seconds between keep-alive frames. A job may wait minutes in the queue behind other videos, and a VAE
+# decode sends nothing for tens of seconds; a gateway reading a remote stage gives up after its stage read
+# timeout (120 s by default) without a frame, which must mean a stage that stopped answering, not a queue.
+KEEPALIVE: Final = 15.0
 
 # Building modules goes through process-global patches (accelerate's init_empty_weights): one load at a
 # time per process, as for text to image.
@@ -169,6 +176,7 @@ class DiffusersVideoEngine(WorkerEngine[_Job]):
         self._fps = int(args.get("fps", DEFAULT_FPS))
         self._pipe: Any = None
         self._defaults: VideoDefaults | None = None
+        self.keepalive = float(args.get("keepalive", KEEPALIVE))
 
     @property
     def defaults(self) -> VideoDefaults:
@@ -196,9 +204,20 @@ class DiffusersVideoEngine(WorkerEngine[_Job]):
         params = resolve(request.params.video or TextToVideoParams(), self.defaults)
         yield TensorFrame(tensors={}, meta={"accepted": params.accepted()})
         job = _Job(request=request, params=params)
-        async with contextlib.aclosing(self.stream(job)) as frames:
-            async for frame in frames:
-                yield frame
+        beat = asyncio.create_task(self._keepalive(job))
+        try:
+            async with contextlib.aclosing(self.stream(job)) as frames:
+                async for frame in frames:
+                    yield frame
+        finally:
+            beat.cancel()
+
+    async def _keepalive(self, job: _Job) -> None:
+        """A keep-alive frame into the job's stream every :attr:`keepalive` seconds (on the event loop, the
+        side that owns the job's queue), until the request ends."""
+        while True:
+            await asyncio.sleep(self.keepalive)
+            job.out.put_nowait(TensorFrame(tensors={}, meta={"keepalive": True}))
 
     # ------------------------------------------------------------------ worker thread
 
