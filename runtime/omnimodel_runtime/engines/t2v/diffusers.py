@@ -27,7 +27,6 @@ import contextlib
 import inspect
 import logging
 import secrets
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -40,6 +39,7 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.loading import LOAD_LOCK
 from omnimodel_runtime.engines.t2v.mp4 import encode_mp4
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
@@ -61,10 +61,6 @@ DEFAULT_FPS: Final = 16
 # decode sends nothing for tens of seconds; a gateway reading a remote stage gives up after its stage read
 # timeout (120 s by default) without a frame, which must mean a stage that stopped answering, not a queue.
 KEEPALIVE: Final = 15.0
-
-# Building modules goes through process-global patches (accelerate's init_empty_weights): one load at a
-# time per process, as for text to image.
-_LOAD_LOCK: Final = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -228,7 +224,7 @@ class DiffusersVideoEngine(WorkerEngine[_Job]):
         diffusers_logging.disable_progress_bar()
         hf_logging.disable_progress_bar()
         model_dir = self.context.model_dir
-        with _LOAD_LOCK:
+        with LOAD_LOCK:
             # Wan's VAE runs in float32 (diffusers' Wan examples load it so: its decoder loses detail in
             # bf16); the transformers and text encoder in the engine's dtype.
             vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", dtype=torch.float32)
