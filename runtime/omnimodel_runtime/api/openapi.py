@@ -23,8 +23,10 @@ from omnimodel_runtime.protocol.openai import ErrorResponse
 _WHY: Final = {
     400: "The request is malformed or asks for something this model cannot do; `error.param` names the field.",
     401: "An API key is configured and the request does not carry it (`Authorization: Bearer <key>`).",
-    404: "The request names another model than the one served (`error.param` is `model`).",
+    404: "The request names another model than the one served (`error.param` is `model`), or an unknown id.",
+    409: "The video job is not completed yet (queued, in progress or failed): it has no content to download.",
     413: "The request body is larger than the server accepts (`OMNIMODEL_MAX_BODY_BYTES`).",
+    429: "Every video job this gateway keeps is still queued or running; retry later or delete one.",
     500: "An unexpected failure in the gateway or a stage.",
     501: "The model cannot answer this (e.g. it has no list of voices).",
     502: "A stage answered with something unusable or the connection to it was lost mid-request.",

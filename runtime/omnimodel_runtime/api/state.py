@@ -15,6 +15,7 @@ from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.speech import SpeechService
 from omnimodel_runtime.serving.text import ChatService, CompletionService
+from omnimodel_runtime.serving.videos import VideoService
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class APIState:
     completions: CompletionService
     images: ImageService
     speech: SpeechService
+    videos: VideoService
     # Clients must send ``Authorization: Bearer <key>`` when set.
     api_key: str | None
     # What chat answers with when a request names no ``modalities``.
@@ -53,6 +55,7 @@ class APIState:
             completions=CompletionService(orchestrator, request_timeout=request_timeout),
             images=ImageService(orchestrator, request_timeout=request_timeout, media=media),
             speech=SpeechService(orchestrator, request_timeout=request_timeout),
+            videos=VideoService(orchestrator, request_timeout=request_timeout),
             api_key=api_key,
             chat_modalities=default_modalities(chat_modalities, orchestrator.pipeline),
         )

@@ -59,7 +59,11 @@ ADAPTERS: Final[Mapping[tuple[EngineName, str], AdapterRef]] = {
             "omnimodel_runtime.engines.t2i.diffusers", "DiffusersImageEngine", "diffusers"
         )
         for task in ENGINE_TASKS[EngineName.DIFFUSERS]
+        if task != "text-to-video"
     },
+    (EngineName.DIFFUSERS, "text-to-video"): AdapterRef(
+        "omnimodel_runtime.engines.t2v.diffusers", "DiffusersVideoEngine", "diffusers"
+    ),
 }
 
 

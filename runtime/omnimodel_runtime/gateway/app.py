@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnimodel_runtime.api import chat, completions, images, models, speech
+from omnimodel_runtime.api import chat, completions, images, models, speech, videos
 from omnimodel_runtime.api.errors import body_too_large, install_error_handlers
 from omnimodel_runtime.api.openapi import errors, install_openapi, ok, probe
 from omnimodel_runtime.api.state import APIState
@@ -87,6 +87,7 @@ def build_app(
     async def stop() -> None:
         for watcher in watchers:
             watcher.cancel()
+        await app.state.api.videos.close()
         await asyncio.gather(*(h.stop() for h in handles.values()), return_exceptions=True)
 
     app = FastAPI(
@@ -122,6 +123,9 @@ def build_app(
     if Route.SPEECH in pipeline.routes:
         app.include_router(speech.router)
         served.add(speech.PATH)
+    if Route.VIDEOS in pipeline.routes:
+        app.include_router(videos.router)
+        served.add(videos.PATH)
 
     # Added last = outermost: requests refused for size are counted (and the access log sees everything).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_body=body_too_large)

@@ -30,11 +30,11 @@ class Modality(StrEnum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
+    VIDEO = "video"
 
 
 class InputModality(StrEnum):
-    """What a chat request may hand a pipeline's entry stage beside text (content parts). Wider than
-    :class:`Modality`: video comes in, but no stage puts it out."""
+    """What a chat request may hand a pipeline's entry stage beside text (content parts)."""
 
     TEXT = "text"
     AUDIO = "audio"
@@ -85,6 +85,7 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
         "image-edit-encode",
         "image-edit-denoise",
         "image-edit-decode",
+        "text-to-video",
     ),
 }
 
@@ -116,6 +117,8 @@ class Route(StrEnum):
     # /v1/images/edits: only pipelines whose entry stage edits an input image.
     IMAGE_EDITS = "image-edits"
     SPEECH = "speech"
+    # /v1/videos: OpenAI's (and vLLM-Omni's) asynchronous video jobs.
+    VIDEOS = "videos"
 
 
 # Which output modality a route needs somewhere in the graph (chat answers in any modality).
@@ -125,6 +128,7 @@ ROUTE_MODALITY: Final[Mapping[Route, Modality | None]] = {
     Route.IMAGES: Modality.IMAGE,
     Route.IMAGE_EDITS: Modality.IMAGE,
     Route.SPEECH: Modality.AUDIO,
+    Route.VIDEOS: Modality.VIDEO,
 }
 
 
@@ -138,6 +142,8 @@ def default_routes(modalities: Iterable[Modality]) -> tuple[Route, ...]:
         routes.append(Route.IMAGES)
     if Modality.AUDIO in mods:
         routes.append(Route.SPEECH)
+    if Modality.VIDEO in mods:
+        routes.append(Route.VIDEOS)
     return tuple(routes)
 
 

@@ -118,6 +118,20 @@ EDIT_FILES: Final[Mapping[str, StageFiles]] = {
     "encode": StageFiles(patterns=(*_T2I_SHARED, "text_encoder*/**", "tokenizer*/**", "processor/**", "vae/**")),
 }
 
+# Wan2.2 text-to-video (diffusers WanPipeline) in one stage: the whole pipeline, both transformer experts
+# (``transformer_2`` is absent from a Wan2.1 checkpoint; the pattern then matches nothing).
+T2V_FILES: Final = StageFiles(
+    patterns=(
+        "model_index.json",
+        "text_encoder/**",
+        "tokenizer/**",
+        "transformer/**",
+        "transformer_2/**",
+        "vae/**",
+        "scheduler/**",
+    )
+)
+
 # Our TTS layout (omnimodel_runtime.layout): acoustic/ and vocoder/ hold each stage's model, voices/ and
 # speech.json the acoustic stage's voices and stopping rule. The acoustic stage also takes the top-level
 # files: a plain SpeechT5 snapshot, which keeps its model there, serves as the acoustic stage as it is.
@@ -273,6 +287,23 @@ PRESETS: Final[Mapping[str, Preset]] = {
             modalities=(Modality.IMAGE,),
             # Chat too: vLLM-Omni's image-edit client sends the image as an image_url part.
             routes=(Route.IMAGE_EDITS, Route.CHAT),
+        ),
+        Preset(
+            name="text-to-video",
+            description="Text-to-video (Wan2.2 through diffusers' WanPipeline): the whole pipeline in one stage.",
+            stages=(
+                Stage(
+                    name="generate",
+                    kind=StageKind.DIFFUSION,
+                    engine=EngineName.DIFFUSERS,
+                    task="text-to-video",
+                    outputs=(Modality.VIDEO,),
+                    accelerator=_gpu(),
+                    files=T2V_FILES,
+                ),
+            ),
+            modalities=(Modality.VIDEO,),
+            routes=(Route.VIDEOS,),
         ),
         Preset(
             name="tts",

@@ -20,6 +20,7 @@ from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality
 from omnimodel_runtime.protocol.images import ImageEditParams, TextToImageParams
 from omnimodel_runtime.protocol.openai import Seed, TokenId
+from omnimodel_runtime.protocol.videos import TextToVideoParams
 
 # Where a stage server takes requests (``POST``, frames in, frames out).
 GENERATE_PATH: Final = "/v1/stage/generate"
@@ -69,6 +70,8 @@ class StageParams(_Model):
     image: TextToImageParams = TextToImageParams()
     # Image edits (image-edit and its split tasks): the input image's size; its bytes are ``media[0]``.
     edit: ImageEditParams | None = None
+    # Text to video (text-to-video): size, length, frame rate, steps, guidance, seed, output form.
+    video: TextToVideoParams | None = None
 
 
 class MediaInput(_Model):

@@ -47,7 +47,7 @@ from omnimodel_runtime.protocol.images import (
 from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
 from omnimodel_runtime.protocol.stage import FinalFrame, MediaInput, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
-from omnimodel_runtime.serving.errors import APIError
+from omnimodel_runtime.serving.errors import APIError, invalid
 from omnimodel_runtime.serving.image_files import image_info
 from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, chat_content, check_text_only
 from omnimodel_runtime.serving.orchestrator import Orchestrator
@@ -186,9 +186,7 @@ class ImageService(Service):
         try:
             req = ImageEditRequest.model_validate(dict(fields))
         except ValidationError as err:
-            first = err.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+            raise invalid(err) from None
         self.check_model(req.model)
         if files.get(MASK_FIELD):
             raise APIError(

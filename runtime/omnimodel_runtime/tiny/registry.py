@@ -57,6 +57,7 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
+    "text-to-video": TinyBuilder(module="omnimodel_runtime.tiny.text_to_video", function="build", extra="diffusers"),
 }
 
 

@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from transformers.utils import logging as hf_logging
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.images import decode_image
+from omnimodel_runtime.engines.loading import LOAD_LOCK
 from omnimodel_runtime.engines.t2i.families import IMAGE_LATENTS, Conditioning, Family, PipelineDefaults, family_for
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.requests import EDIT_TASKS, ROLES, Announcements, Resolved, Role, resolve
@@ -103,12 +103,6 @@ LATENTS: Final = "latents"
 RECOMPILE_LIMIT: Final = 64
 # engine_args.attention -> diffusers' attention backend (PyTorch's scaled-dot-product kernels, pinned).
 ATTENTION_BACKENDS: Final = {"cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}
-
-
-# Loading builds modules on the meta device through process-global patches (accelerate's
-# ``init_empty_weights``), so two pipelines loading at once on different threads — the stages of
-# ``omnimodel serve`` start concurrently — corrupt each other's modules. One load at a time per process.
-_LOAD_LOCK: Final = threading.Lock()
 
 
 @dataclass(eq=False, kw_only=True)
@@ -249,7 +243,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
         keep = family.components(names, str(self.role))
         skipped = {name: None for name in names if name not in keep}
-        with _LOAD_LOCK:
+        with LOAD_LOCK:
             given = family.load_overrides(model_dir, keep)
             pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=self._dtype, **skipped, **given)
             pipe.to(self._device)

@@ -1,0 +1,1 @@
+"""Text to video (diffusers WanPipeline)."""
