@@ -95,16 +95,29 @@ def run_passing_signals(
     child is never killed early, so whatever it cleans up on an interrupt, it cleans up completely
     (``subprocess.run`` would SIGKILL it 0.25 s after a Ctrl-C).
     """
-    child = subprocess.Popen(list(argv), env=dict(env))
+    started: list[subprocess.Popen[bytes]] = []
+    early: list[signal.Signals] = []  # what came before the child existed, passed on once it does
 
     def handler(signum: int, frame: FrameType | None) -> None:
         to = forward[signal.Signals(signum)]
-        if to is not None:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(to)
+        if to is None:
+            return
+        if not started:
+            early.append(to)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            started[0].send_signal(to)
 
+    # Caught before the child starts: exec resets caught signals to their defaults, so the child can take
+    # every signal it is sent even when this process started with one ignored (a non-interactive shell's
+    # `&` job starts with SIGINT ignored, and sh cannot even trap a signal ignored at its start).
     previous = {sig: signal.signal(sig, handler) for sig in forward}
     try:
+        child = subprocess.Popen(list(argv), env=dict(env))
+        started.append(child)
+        for sig in early:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
         return child.wait()
     finally:
         for sig, old in previous.items():

@@ -3,12 +3,15 @@ never killed before it has cleaned up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 import omnimodel_testbed
 
@@ -31,9 +34,16 @@ def wait_for(path: Path, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tmp_path: Path) -> None:
+@pytest.mark.parametrize("started_as", ["foreground", "background-job"])
+def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tmp_path: Path, started_as: str) -> None:
+    """Also when the wrapper starts with SIGINT ignored, as a non-interactive shell starts its ``&`` jobs
+    (CI runners do): the child must still get the SIGINT it is sent."""
     env = {**os.environ, "PYTHONPATH": E2E}
-    parent = subprocess.Popen([sys.executable, "-c", WRAPPER], cwd=tmp_path, env=env)
+    argv = [sys.executable, "-c", WRAPPER]
+    if started_as == "background-job":
+        argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]  # SIGINT ignored, inherited through exec
+    # Its own session: whatever happens, the wrapper and its child are stopped together (by process group).
+    parent = subprocess.Popen(argv, cwd=tmp_path, env=env, start_new_session=True)
     try:
         wait_for(tmp_path / "ready")
         # A SIGINT for the parent alone is not passed on: at a terminal the child gets its own.
@@ -45,5 +55,6 @@ def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tm
         assert parent.wait(timeout=20) == 7  # the child's status, after its whole cleanup
         assert (tmp_path / "got").read_text().split() == ["INT", "cleaned"]
     finally:
-        if parent.poll() is None:
-            parent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
