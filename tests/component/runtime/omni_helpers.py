@@ -306,6 +306,18 @@ class Qwen3Whole(Whole):
 
     MODEL_CLASS = "Qwen3OmniMoeForConditionalGeneration"
 
+    @cached_property
+    def model(self) -> Any:
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
+        from omnimodel_runtime.engines.omni.qwen3 import lend_audio_config
+
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(self.model_dir).eval()
+        # transformers 5.19's whole generate() fails on audio with an image or a video (its talker's config
+        # has no audio_config): given the thinker's, as the talker stage is.
+        lend_audio_config(model.talker, model.config)
+        return model
+
     def eos_ids(self) -> dict[str, Any]:
         return {"thinker_eos_token_id": self.model.config.im_end_token_id}
 
@@ -317,10 +329,18 @@ class Qwen3Whole(Whole):
         return load_processor(self.model_dir, Qwen3OmniMoeProcessor)
 
     def generate_content(
-        self, content: Sequence[Mapping[str, Any]], *, speaker: str, max_tokens: int, seed: int
+        self,
+        content: Sequence[Mapping[str, Any]],
+        *,
+        speaker: str,
+        max_tokens: int,
+        seed: int,
+        threads: int | None = None,
     ) -> tuple[str, bytes]:
         """The whole model's text and WAV for one user message of OpenAI ``content`` parts (:meth:`processed`)."""
-        return self.speak(self.processed(content), speaker=speaker, max_tokens=max_tokens, seed=seed, threads=None)
+        with torch_threads(threads):
+            inputs = self.processed(content)
+        return self.speak(inputs, speaker=speaker, max_tokens=max_tokens, seed=seed, threads=threads)
 
 
 # ------------------------------------------------------------------------------ code2wav by itself

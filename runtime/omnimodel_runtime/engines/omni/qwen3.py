@@ -139,6 +139,18 @@ def fused_experts_loading(cls: type) -> None:
             register_checkpoint_conversion_mapping(cls.__name__, get_checkpoint_conversion_mapping("qwen3_omni_moe"))
 
 
+def lend_audio_config(talker: Any, config: Any) -> None:
+    """Give ``talker`` (a ``Qwen3OmniMoeTalkerForConditionalGeneration``) the thinker's audio encoder config.
+
+    transformers 5.19's M-RoPE index, which the talker shares with the thinker, counts each audio's tokens
+    with ``self.config.audio_config.n_window``; the talker's config has no ``audio_config``, so a prompt with
+    audio and an image or a video (a video's own track included) fails there, in the whole model's
+    ``generate()`` as well. The count it needs is the thinker's (its audio encoder made those tokens), so the
+    talker reads the thinker's config, as the whole model does once given the same (the tests' reference)."""
+    if not hasattr(talker.config, "audio_config"):
+        talker.config.audio_config = config.thinker_config.audio_config
+
+
 def one_at_a_time(engine: OmniEngine) -> None:
     """The Qwen3-Omni engines serve one request at a time (batched decoding is Qwen2.5-Omni's only)."""
     if engine.batched:
@@ -263,6 +275,7 @@ class Qwen3TalkerEngine(OmniEngine):
             dtype=self.dtype,
             device=self.device,
         )
+        lend_audio_config(self.model, config)
         tc = config.talker_config
         vocab = int(tc.text_config.vocab_size)
         eos = int(tc.codec_eos_token_id)
