@@ -1,8 +1,9 @@
 """Qwen3-Omni as real processes on loopback, driven by the official ``openai`` client: thinker, talker and
 code2wav ``omnimodel stage`` processes behind an ``omnimodel gateway`` (the media bytes travel to the
-thinker process in the request frame; rows and codes are streamed between the processes over HTTP).
-Through the processes the answer is still the whole model's, byte for byte (same seed, one torch thread
-on both sides). (``serve``, every stage in one process: test_qwen3_omni_inputs.py.)
+thinker process in the request frame; rows and codes are streamed between the processes over HTTP): a WAV
+and an image, and a video with its sound. Through the processes the answer is still the whole model's, byte
+for byte (same seed, one torch thread on both sides). (``serve``, every stage in one process:
+test_qwen3_omni_inputs.py and test_qwen3_omni_video.py.)
 """
 
 from __future__ import annotations
@@ -11,7 +12,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from omni_helpers import QWEN3, Qwen3Whole, audio_part, image_part, png_file, spoken_chat, wav_file
+from omni_helpers import (
+    QWEN3,
+    Qwen3Whole,
+    VideoInput,
+    all_frames,
+    audio_part,
+    audio_track,
+    image_part,
+    mp4_file,
+    png_file,
+    spoken_chat,
+    video_part,
+    wav_file,
+)
 from runtime_procs import RuntimeProcess, openai_client, runtime_env, split_deployment, stage_requests, wav_of
 
 from omnimodel_runtime.serve import serve_pipeline
@@ -61,3 +75,25 @@ def test_voice_chat_with_audio_and_an_image_through_stage_processes_is_the_whole
     # Each stage process served it (not a stage of the gateway's own).
     after = {name: stage_requests(deployment[name].metrics(), name) for name in STAGES}
     assert after == {name: count + 1 for name, count in before.items()}
+
+
+def test_a_video_with_its_sound_through_stage_processes_is_the_whole_models(
+    deployment: dict[str, RuntimeProcess], whole_qwen3: Qwen3Whole
+) -> None:
+    """A ``video_url`` MP4 with ``use_audio_in_video``: the file travels to the thinker process, which decodes
+    its frames and track; the talker process gets the video's grid and seconds per temporal patch in the
+    prompt frame. The WAV is the whole model's on the same frames and track."""
+    video = mp4_file(2, audio=True, seed=2)
+    content = [{"type": "text", "text": "What happens?"}, video_part(video)]
+    spoken = spoken_chat([{"role": "user", "content": content}], voice="Ethan", max_tokens=10, seed=6, model=MODEL)
+    reply = openai_client(deployment["gateway"].url, timeout=240).chat.completions.create(
+        **spoken, extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}}
+    )
+    message = reply.choices[0].message
+    assert message.audio is not None
+    frames = VideoInput(all_frames(video), 2.0, audio=audio_track(video))
+    text, wav = whole_qwen3.generate_content(
+        content, speaker="Ethan", max_tokens=10, seed=6, threads=THREADS, video=frames
+    )
+    assert (message.content, message.audio.transcript) == (text, text)
+    assert wav_of(message.model_dump()) == wav
