@@ -94,7 +94,7 @@ ENGINE_TASKS: Final[Mapping[EngineName, tuple[str, ...]]] = {
 # task not named here takes text only, and the gateway refuses any other part with a 400 naming it.
 TASK_INPUTS: Final[Mapping[str, tuple[InputModality, ...]]] = {
     "omni-thinker": (InputModality.TEXT, InputModality.AUDIO, InputModality.IMAGE, InputModality.VIDEO),
-    "qwen3-omni-thinker": (InputModality.TEXT, InputModality.AUDIO, InputModality.IMAGE),
+    "qwen3-omni-thinker": (InputModality.TEXT, InputModality.AUDIO, InputModality.IMAGE, InputModality.VIDEO),
 }
 
 

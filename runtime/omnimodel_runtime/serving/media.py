@@ -3,7 +3,7 @@
 Which parts a model takes is its entry stage's (``Pipeline.input_modalities``): ``text`` everywhere,
 ``input_audio`` (or vLLM's ``audio_url``, a data URL of the file) and ``image_url`` where the entry stage
 takes audio and images (the Qwen2.5-Omni and Qwen3-Omni thinkers), and ``video_url`` (vLLM's part) where
-it takes video (the Qwen2.5-Omni thinker).
+it takes video (the same two thinkers).
 Every other part, and a media part the model cannot take, is a 400 naming the part
 (``messages[0].content[1]``): never dropped in silence.
 

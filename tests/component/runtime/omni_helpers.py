@@ -31,6 +31,8 @@ CHUNKED_TOLERANCE = 1e-5
 # Qwen3-Omni's streamed audio (code2wav in chunks of 12 codes with left context and one code of look-ahead)
 # vs the whole model's (one vocoder pass over every code), in 16-bit PCM steps.
 QWEN3_STREAM_TOLERANCE_LSB = 1
+# The audio track of the MP4 files built here (the Omni feature extractors' rate: no resampling).
+VIDEO_AUDIO_RATE = 16000
 # The marks of a Qwen3-Omni test module (its ``pytestmark``).
 QWEN3_MARKS = [
     pytest.mark.engine,
@@ -108,6 +110,53 @@ def video_part(data: bytes, **extra: Any) -> dict[str, Any]:
     """A ``video_url`` part (vLLM-Omni's shape): ``data`` as an MP4 data URL, with ``extra`` (``num_frames``)."""
     url = "data:video/mp4;base64," + base64.b64encode(data).decode()
     return {"type": "video_url", "video_url": {"url": url, **extra}}
+
+
+def mp4_file(
+    seconds: float, fps: int = 2, *, height: int = 48, width: int = 64, seed: int = 0, audio: bool = False
+) -> bytes:
+    """An MP4 file of noise frames (MPEG-4 part 2, which every FFmpeg build encodes), with a mono 16 kHz
+    AAC track of noise when ``audio``."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        video = container.add_stream("mpeg4", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        track = container.add_stream("aac", rate=VIDEO_AUDIO_RATE, layout="mono") if audio else None
+        for _ in range(round(seconds * fps)):
+            frame = av.VideoFrame.from_ndarray((rng.random((height, width, 3)) * 255).astype(np.uint8), format="rgb24")
+            container.mux(video.encode(frame))
+        container.mux(video.encode(None))
+        if track is not None:
+            samples = (rng.standard_normal((1, round(seconds * VIDEO_AUDIO_RATE))) * 0.1).astype(np.float32)
+            for start in range(0, samples.shape[1], 1024):
+                chunk = av.AudioFrame.from_ndarray(
+                    samples[:, start : start + 1024].copy(), format="fltp", layout="mono"
+                )
+                chunk.sample_rate = VIDEO_AUDIO_RATE
+                container.mux(track.encode(chunk))
+            container.mux(track.encode(None))
+    return out.getvalue()
+
+
+def all_frames(data: bytes) -> np.ndarray:
+    """Every frame of the file as RGB, as a client library decodes it (PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
+
+
+def audio_track(data: bytes) -> np.ndarray:
+    """The file's audio track (mono, at its own 16 kHz), as a client library decodes it (PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = list(container.decode(container.streams.audio[0]))
+    assert {f.sample_rate for f in frames} == {VIDEO_AUDIO_RATE}
+    return np.concatenate([f.to_ndarray() for f in frames], axis=1)[0]
 
 
 @dataclass(frozen=True)
@@ -302,9 +351,21 @@ class Qwen25Whole(Whole):
 
 
 class Qwen3Whole(Whole):
-    """``Qwen3OmniMoeForConditionalGeneration``, and its answer to audio and image input."""
+    """``Qwen3OmniMoeForConditionalGeneration``, and its answer to audio, image and video input."""
 
     MODEL_CLASS = "Qwen3OmniMoeForConditionalGeneration"
+
+    @cached_property
+    def model(self) -> Any:
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
+        from omnimodel_runtime.engines.omni.qwen3 import lend_audio_config
+
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(self.model_dir).eval()
+        # transformers 5.19's whole generate() fails on audio with an image or a video (its talker's config
+        # has no audio_config): given the thinker's, as the talker stage is.
+        lend_audio_config(model.talker, model.config)
+        return model
 
     def eos_ids(self) -> dict[str, Any]:
         return {"thinker_eos_token_id": self.model.config.im_end_token_id}
@@ -317,10 +378,21 @@ class Qwen3Whole(Whole):
         return load_processor(self.model_dir, Qwen3OmniMoeProcessor)
 
     def generate_content(
-        self, content: Sequence[Mapping[str, Any]], *, speaker: str, max_tokens: int, seed: int
+        self,
+        content: Sequence[Mapping[str, Any]],
+        *,
+        speaker: str,
+        max_tokens: int,
+        seed: int,
+        threads: int | None = None,
+        video: VideoInput | None = None,
     ) -> tuple[str, bytes]:
-        """The whole model's text and WAV for one user message of OpenAI ``content`` parts (:meth:`processed`)."""
-        return self.speak(self.processed(content), speaker=speaker, max_tokens=max_tokens, seed=seed, threads=None)
+        """The whole model's text and WAV for one user message of OpenAI ``content`` parts (:meth:`processed`;
+        ``video``: the frames of its ``video_url`` part, and the track to interleave with them)."""
+        with torch_threads(threads):
+            inputs = self.processed(content, video)
+        with_audio = {"use_audio_in_video": video is not None and video.audio is not None}
+        return self.speak(inputs, speaker=speaker, max_tokens=max_tokens, seed=seed, threads=threads, **with_audio)
 
 
 # ------------------------------------------------------------------------------ code2wav by itself

@@ -11,7 +11,6 @@ where torchvision imports, to compute that output again:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -22,7 +21,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from omni_helpers import QWEN25, Qwen25Whole, VideoInput, spoken_chat, video_part
+from omni_helpers import QWEN25, Qwen25Whole, VideoInput, all_frames, audio_track, mp4_file, spoken_chat, video_part
 from runtime_procs import RuntimeProcess, openai_client, running, runtime_env, serve_process, wav_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -32,7 +31,6 @@ MODEL = QWEN25
 # float reductions in the same order, so the same bits.
 THREADS = 1
 QUESTION = "Describe it."
-SAMPLE_RATE = 16000
 
 # ---------------------------------------------------------------- the video processor against transformers'
 
@@ -107,55 +105,6 @@ def test_frames_are_taken_two_a_second_evenly_spaced() -> None:
     assert len(taken(300, 30.0)) == 20
     assert taken(45, 10.0, num_frames=6) == [0, 9, 18, 26, 35, 44]  # video_url.num_frames
     assert taken(45, 10.0, num_frames=100) == taken(45, 10.0, num_frames=44)
-
-
-# ---------------------------------------------------------------- videos
-
-
-def mp4_file(
-    seconds: float, fps: int = 2, *, height: int = 48, width: int = 64, seed: int = 0, audio: bool = False
-) -> bytes:
-    """An MP4 file of noise frames (MPEG-4 part 2, which every FFmpeg build encodes), with a mono 16 kHz
-    AAC track of noise when ``audio``."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
-        video = container.add_stream("mpeg4", rate=fps)
-        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        track = container.add_stream("aac", rate=SAMPLE_RATE, layout="mono") if audio else None
-        for _ in range(round(seconds * fps)):
-            frame = av.VideoFrame.from_ndarray((rng.random((height, width, 3)) * 255).astype(np.uint8), format="rgb24")
-            container.mux(video.encode(frame))
-        container.mux(video.encode(None))
-        if track is not None:
-            samples = (rng.standard_normal((1, round(seconds * SAMPLE_RATE))) * 0.1).astype(np.float32)
-            for start in range(0, samples.shape[1], 1024):
-                chunk = av.AudioFrame.from_ndarray(
-                    samples[:, start : start + 1024].copy(), format="fltp", layout="mono"
-                )
-                chunk.sample_rate = SAMPLE_RATE
-                container.mux(track.encode(chunk))
-            container.mux(track.encode(None))
-    return out.getvalue()
-
-
-def all_frames(data: bytes) -> np.ndarray:
-    """Every frame of the file as RGB, as a client library decodes it (PyAV)."""
-    import av
-
-    with av.open(io.BytesIO(data)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
-
-
-def audio_track(data: bytes) -> np.ndarray:
-    import av
-
-    with av.open(io.BytesIO(data)) as container:
-        frames = list(container.decode(container.streams.audio[0]))
-    assert {f.sample_rate for f in frames} == {SAMPLE_RATE}
-    return np.concatenate([f.to_ndarray() for f in frames], axis=1)[0]
 
 
 # ---------------------------------------------------------------- the served model

@@ -129,7 +129,7 @@ async def test_prompt_tokens_grow_with_the_audio_at_any_sample_rate(serve: Serve
 @pytest.mark.parametrize(
     ("part", "what"),
     [
-        (video_part(b"\0\0\0"), "video_url"),
+        (video_part(b"\0\0\0"), "cannot decode the video"),
         (audio_part(b"this is not a wav file"), "cannot decode the audio"),
         (image_part(b"no"), "cannot decode the image"),
     ],

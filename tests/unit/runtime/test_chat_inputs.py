@@ -1,8 +1,7 @@
 """Content parts of chat messages through the API, on every preset that serves chat, with fake stage
-engines: what each model takes (text everywhere; audio and images on the omni thinkers, video on
-Qwen2.5-Omni's), a 400 naming the part for anything else, and the media reaching the entry stage as request
-tensors (in process and in the request frame of the stage protocol). The real thinkers on these inputs:
-tests/component."""
+engines: what each model takes (text everywhere; audio, images and video on the omni thinkers), a 400
+naming the part for anything else, and the media reaching the entry stage as request tensors (in process
+and in the request frame of the stage protocol). The real thinkers on these inputs: tests/component."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ _PARTS: list[tuple[str, dict[str, Any], set[str]]] = [
     ("audio_url", audio_url_part(), set(OMNI)),
     # The image to edit, on the edit preset (test_image_edit_chat.py).
     ("image_url", image_part(), {*OMNI, "qwen-image-edit"}),
-    ("video_url", video_part(), {"qwen2.5-omni"}),
+    ("video_url", video_part(), {"qwen2.5-omni", "qwen3-omni"}),
     ("input_video", {"type": "input_video", "video": "AAAA"}, set()),
     ("file", {"type": "file", "file": {"file_id": "f"}}, set()),
     ("refusal", {"type": "refusal", "refusal": "no"}, set()),

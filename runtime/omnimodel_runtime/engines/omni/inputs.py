@@ -1,15 +1,16 @@
 """Audio, image and video input of the Omni thinkers: the request's media bytes through the model's own
 processor (``Qwen2_5OmniProcessor``, ``Qwen3OmniMoeProcessor``: Whisper features for audio, Qwen2-VL patches
 for images and video frames, placeholder tokens expanded to one per encoder output), ready for the
-thinker's ``generate()``. Video is served on Qwen2.5-Omni only (the gateway refuses it elsewhere).
+thinker's ``generate()``.
 
 - **Audio** (``wav``/``mp3``/``flac`` files) is decoded by libsndfile, mixed down to mono and resampled to
   the feature extractor's rate (16 kHz for the released model).
 - **Images** are decoded by Pillow and converted to RGB.
 - **Video** (any container and codec FFmpeg reads) is decoded by PyAV and sampled at 2 frames a second
   (:mod:`.video`); with ``use_audio_in_video`` its audio track goes in as well, as an audio input the
-  processor interleaves with the frames (2-second chunks of frames, then of audio, by their time
-  positions), exactly as the model's processor does for the whole model. One video per request: the
+  processor interleaves with the frames (Qwen2.5-Omni: 2-second chunks of frames, then of audio;
+  Qwen3-Omni: token by token, by their time positions), exactly as the model's processor does for the
+  whole model. One video per request: the
   processor takes one frame rate per call.
 - **The processor** is the checkpoint's (``preprocessor_config.json``). transformers builds its video
   processor only with torchvision, which the CPU torch cannot import; without it the processor is built

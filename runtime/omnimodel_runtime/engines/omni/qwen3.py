@@ -5,15 +5,15 @@ engines' mechanism (:class:`~omnimodel_runtime.engines.omni.engine.OmniEngine`: 
 upstream frames, one request at a time, cancellation checked at every step):
 
 - **thinker** (:class:`Qwen3ThinkerEngine`): the Qwen2.5-Omni thinker engine (chat template, sampling, stop
-  strings, forced replies, voices, audio and image input through ``Qwen3OmniMoeProcessor``) on
+  strings, forced replies, voices, audio, image and video input through ``Qwen3OmniMoeProcessor``) on
   ``Qwen3OmniMoeThinkerForConditionalGeneration``. The talker reads the thinker's *input embeddings* of text
-  positions (its ``text_projection`` of them) and, at audio/image placeholders of the prompt, the hidden
+  positions (its ``text_projection`` of them) and, at audio/image/video placeholders of the prompt, the hidden
   states of layer ``accept_hidden_layer`` (its ``hidden_projection``), so the row hook streams those: every
   prompt position after the prefill (a forward hook on that decoder layer keeps the prefill's output), then
   one embedding row per consumed reply token.
 - **talker** (:class:`Qwen3TalkerEngine`): builds the whole model's talker inputs (user turns and the
   assistant's first tokens projected, the ``trailing_text_hidden`` of the rest of the reply, ``tts_pad``, the
-  media's feature lengths and patch grids for its M-RoPE) and runs
+  media's feature lengths, patch grids and a video's seconds per temporal patch for its M-RoPE) and runs
   ``Qwen3OmniMoeTalkerForConditionalGeneration.generate()``: each step samples a first-group code, and the
   next step's code predictor draws its residual codes; one frame of ``num_code_groups`` codes goes to code2wav
   per step. It starts when the thinker has finished: the whole model projects the assistant's text in one
@@ -24,8 +24,8 @@ upstream frames, one request at a time, cancellation checked at every step):
   streamed: chunks of ``stream_chunk`` codes as they arrive, each with ``left_context`` codes before it and
   one after, joined without gaps (within 1 LSB of one pass; see :data:`STREAM_CHUNK`).
 
-Video input is not served (the gateway refuses it, as on Qwen2.5-Omni). Frame layouts:
-docs/pipelines/qwen3-omni.md.
+Video input is Qwen2.5-Omni's (:mod:`.video`, :mod:`.inputs`): the same video processor class, with
+Qwen3's sizes and time positions from its processor. Frame layouts: docs/pipelines/qwen3-omni.md.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ from omnimodel_runtime.engines.omni.common import (
     PROMPT_KIND,
     REPLY_KIND,
     SAMPLE_RATE,
+    VIDEO_GRID,
+    VIDEO_SECONDS,
     RngTurn,
     Speakers,
     generation_overrides,
@@ -139,6 +141,18 @@ def fused_experts_loading(cls: type) -> None:
             register_checkpoint_conversion_mapping(cls.__name__, get_checkpoint_conversion_mapping("qwen3_omni_moe"))
 
 
+def lend_audio_config(talker: Any, config: Any) -> None:
+    """Give ``talker`` (a ``Qwen3OmniMoeTalkerForConditionalGeneration``) the thinker's audio encoder config.
+
+    transformers 5.19's M-RoPE index, which the talker shares with the thinker, counts each audio's tokens
+    with ``self.config.audio_config.n_window``; the talker's config has no ``audio_config``, so a prompt with
+    audio and an image or a video (a video's own track included) fails there, in the whole model's
+    ``generate()`` as well. The count it needs is the thinker's (its audio encoder made those tokens), so the
+    talker reads the thinker's config, as the whole model does once given the same (the tests' reference)."""
+    if not hasattr(talker.config, "audio_config"):
+        talker.config.audio_config = config.thinker_config.audio_config
+
+
 def one_at_a_time(engine: OmniEngine) -> None:
     """The Qwen3-Omni engines serve one request at a time (batched decoding is Qwen2.5-Omni's only)."""
     if engine.batched:
@@ -157,7 +171,7 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._special_ids: tuple[int, int, int] = (0, 0, 0)
-        # The thinker layer whose hidden states the talker reads at audio/image positions (the whole
+        # The thinker layer whose hidden states the talker reads at audio/image/video positions (the whole
         # model's hidden_states[accept_hidden_layer]: 0 the input embeddings, N the final-normed output).
         self._accept_layer = 0
 
@@ -205,7 +219,7 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
 
     def prompt_rows(self, embeds: torch.Tensor, output: Any, job: OmniJob) -> torch.Tensor:
         """The prompt's input embeddings (the talker projects them itself, ``text_projection``), and at
-        audio/image placeholders the hidden states of layer ``accept_hidden_layer`` (``hidden_projection``)."""
+        audio/image/video placeholders the hidden states of layer ``accept_hidden_layer`` (``hidden_projection``)."""
         if job.data.get("media") is None:
             return embeds
         if self._accept_layer == 0:
@@ -263,6 +277,7 @@ class Qwen3TalkerEngine(OmniEngine):
             dtype=self.dtype,
             device=self.device,
         )
+        lend_audio_config(self.model, config)
         tc = config.talker_config
         vocab = int(tc.text_config.vocab_size)
         eos = int(tc.codec_eos_token_id)
@@ -344,7 +359,7 @@ class Qwen3TalkerEngine(OmniEngine):
 
     def inputs(self, prompt: TensorFrame, replies: list[TensorFrame]) -> dict[str, torch.Tensor]:
         """The whole model's talker inputs (its ``generate()`` steps 2, batch of one) from the thinker's rows
-        of the prompt (input embeddings; at audio/image placeholders layer ``accept_hidden_layer``'s hidden
+        of the prompt (input embeddings; at audio/image/video placeholders layer ``accept_hidden_layer``'s hidden
         states) and of every consumed reply token (input embeddings)."""
         c, tc, model, device = self.config, self.config.talker_config, self.model, self.device
         dtype = str(prompt.meta.get("dtype", "float32"))
@@ -420,12 +435,19 @@ class Qwen3TalkerEngine(OmniEngine):
         ids = torch.cat(
             (user_ids, torch.full((1, text_part.shape[1]), c.tts_pad_token_id, dtype=torch.long, device=device)), dim=1
         )
-        # The talker's M-RoPE positions of the media: each audio's feature length, each image's patch grid.
+        # The talker's M-RoPE positions of the media: each audio's feature length (a video's track among
+        # them), each image's and video's patch grid, each video's seconds per temporal patch (float32, as the
+        # processor gives it: it scales the time positions). Not use_audio_in_video: the whole model's
+        # generate() hands it to the thinker only, and its talker lays out a video's interleaved track as
+        # without it, so the split does the same.
         grids = {
             name: torch.from_numpy(np.array(prompt.tensors[name], dtype=np.int64)).to(device)
-            for name in (AUDIO_LENGTHS, IMAGE_GRID)
+            for name in (AUDIO_LENGTHS, IMAGE_GRID, VIDEO_GRID)
             if name in prompt.tensors
         }
+        if VIDEO_SECONDS in prompt.tensors:
+            seconds = np.array(prompt.tensors[VIDEO_SECONDS], dtype=np.float32)
+            grids[VIDEO_SECONDS] = torch.from_numpy(seconds).to(device)
         return {
             "inputs_embeds": embeds,
             "trailing_text_hidden": trailing,

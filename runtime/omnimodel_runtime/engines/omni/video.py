@@ -1,4 +1,4 @@
-"""Video input of the Qwen2.5-Omni thinker: a video file decoded to frames (and, with
+"""Video input of the Qwen2.5-Omni and Qwen3-Omni thinkers: a video file decoded to frames (and, with
 ``use_audio_in_video``, its audio track), sampled as the model's reference pipeline samples them, and
 turned into the vision encoder's patches by :class:`VideoProcessor`.
 
@@ -12,7 +12,7 @@ spaced from the first frame to the last; the rate of the frames taken is what th
 (``fps``: each temporal patch spans ``temporal_patch_size / fps`` seconds). ``num_frames`` (vLLM-Omni's
 ``video_url.num_frames``) asks for that many frames instead.
 
-**The video processor.** transformers' ``Qwen2VLVideoProcessor`` (the Omni processor's) is written on
+**The video processor.** transformers' ``Qwen2VLVideoProcessor`` (both Omni processors') is written on
 torchvision, and PyPI's torchvision is built for the CUDA torch: beside the CPU torch its import fails
 (``operator torchvision::nms does not exist``). Patching it importable would also switch every transformers
 image processor to its torchvision backend (other pixels on every image path) and change what vLLM
@@ -195,9 +195,9 @@ class _CallKwargs(TypedDict, total=False):
 
 class VideoProcessor:
     """The Qwen2-VL video processor's preprocessing in torch alone (see the module docstring), called by
-    ``Qwen2_5OmniProcessor`` as its ``video_processor``: frames already sampled (as transformers' with
-    ``do_sample_frames`` off, its default) → ``pixel_values_videos`` (patches, float32) and
-    ``video_grid_thw``. Runs on the CPU (the resize is the CPU one)."""
+    ``Qwen2_5OmniProcessor`` and ``Qwen3OmniMoeProcessor`` as their ``video_processor``: frames already
+    sampled (as transformers' with ``do_sample_frames`` off, its default) → ``pixel_values_videos``
+    (patches, float32) and ``video_grid_thw``. Runs on the CPU (the resize is the CPU one)."""
 
     # Read by the Omni processor's own model_input_names.
     model_input_names: ClassVar[list[str]] = ["pixel_values_videos", "video_grid_thw"]
