@@ -49,7 +49,8 @@ _EDIT_FORM: Final[dict[str, Any]] = form_schema(
         "image": {**_BINARY, "description": "The image to edit: one PNG, JPEG or WebP file"},
         MASK_FIELD: {
             **_BINARY,
-            "description": "Not supported by this model's edit pipeline (a 400 naming `mask`)",
+            "description": "Optional: a PNG of the image's size whose fully transparent pixels are the area "
+            "to edit (OpenAI's mask); the edit then runs as QwenImageEditInpaintPipeline with `strength`",
         },
     },
     required=("image", "prompt"),

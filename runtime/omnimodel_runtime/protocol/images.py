@@ -53,6 +53,13 @@ Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
 Guidance = Annotated[float, Field(ge=0, le=MAX_GUIDANCE)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
+# How much of a masked edit's schedule runs (diffusers' ``strength``): 1.0 starts the masked area from
+# pure noise; 0 would run no step at all, which the pipeline refuses.
+Strength = Annotated[float, Field(gt=0, le=1)]
+NO_STRENGTH_WITHOUT_MASK: Final = (
+    "must be 1.0 without a mask: this model's edit pipeline always denoises from pure noise beside the input "
+    "image (it has no partial-strength image-to-image mode); a masked edit takes a strength in (0, 1]"
+)
 
 
 def parse_size(value: str) -> tuple[int, int]:
@@ -120,12 +127,25 @@ class TextToImageParams(BaseModel):
 class ImageEditParams(BaseModel):
     """The input image of an edit as every stage of the pipeline receives it: its size, from which the
     stages work out the size the pipeline encodes it at and the output's default size. Its bytes go to the
-    entry stage only, as the request tensor its ``StageRequest.media`` entry names."""
+    entry stage only, as the request tensor its ``StageRequest.media`` entry names.
+
+    ``mask``: the request also carries a mask (``media[1]``, the client's PNG whose fully transparent
+    pixels are the area to edit), so it runs as ``QwenImageEditInpaintPipeline`` with ``strength``. Without
+    a mask the edit pipeline has no partial-strength mode, so ``strength`` must stay 1.0 there.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     source_width: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
     source_height: Annotated[int, Field(ge=1, le=MAX_SOURCE_SIDE)]
+    mask: bool = False
+    strength: Strength = 1.0
+
+    @model_validator(mode="after")
+    def _strength_needs_a_mask(self) -> Self:
+        if self.strength != 1.0 and not self.mask:
+            raise PydanticCustomError("unsupported_parameter", NO_STRENGTH_WITHOUT_MASK)
+        return self
 
 
 # ---------------------------------------------------------------- POST /v1/images/generations
@@ -192,10 +212,10 @@ class ImageEditRequest(OpenAIBaseModel):
     numbers are parsed from it); the files (``image``, ``mask``) are checked by the service.
 
     Extensions beside OpenAI's fields: ``negative_prompt``, ``num_inference_steps``, ``true_cfg_scale``,
-    ``guidance_scale``, ``seed`` (as for generations) and ``strength``. ``QwenImageEditPipeline`` always
-    denoises from pure noise beside the input image's latents (the image conditions every step; it is not
-    noised part way as in image-to-image), so ``strength`` is accepted only as 1.0, what it does; any
-    other value is a 400 naming it rather than a setting silently ignored.
+    ``guidance_scale``, ``seed`` (as for generations) and ``strength``. ``strength`` (0 < s <= 1) is
+    diffusers' inpainting strength and is honoured for masked edits only; the service refuses another
+    value than 1.0 without a mask (``QwenImageEditPipeline`` always denoises from pure noise beside the
+    input image's latents), a 400 naming it rather than a setting silently ignored.
     """
 
     prompt: str
@@ -210,7 +230,7 @@ class ImageEditRequest(OpenAIBaseModel):
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
     seed: Seed | None = None
-    strength: Annotated[float, Field(ge=0, le=1)] | None = None
+    strength: Strength | None = None
     # Streaming edits (``image_edit.*`` events) are not served: a 400, not a silent non-stream answer.
     stream: bool = False
     quality: Literal["auto", "standard"] | None = None
@@ -220,17 +240,6 @@ class ImageEditRequest(OpenAIBaseModel):
 
     _prompt = field_validator("prompt")(_non_blank)
     _size = field_validator("size")(_check_size)
-
-    @field_validator("strength")
-    @classmethod
-    def _full_strength(cls, value: float | None) -> float | None:
-        if value is not None and value != 1.0:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "must be 1.0: this model's edit pipeline always denoises from pure noise beside the input "
-                "image (it has no partial-strength image-to-image mode)",
-            )
-        return value
 
     @field_validator("stream")
     @classmethod

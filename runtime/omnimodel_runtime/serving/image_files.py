@@ -11,6 +11,8 @@ from typing import Final
 
 _PNG: Final = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic), which carry the size.
+# PNG colour types with an alpha channel: grey + alpha (4), RGBA (6).
+_PNG_ALPHA_TYPES: Final = frozenset({4, 6})
 _SOF: Final = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
@@ -28,6 +30,26 @@ def image_info(data: bytes) -> tuple[str, int, int] | None:
     except struct.error:
         return None
     return None
+
+
+def png_has_alpha(data: bytes) -> bool:
+    """Whether a PNG file has transparency: a colour type with an alpha channel (grey + alpha, RGBA) or a
+    ``tRNS`` chunk (a palette's alpha, or one transparent grey/RGB value), which PNG puts before the image
+    data. An edit's mask says where to edit by its transparent pixels, so a mask without any is refused."""
+    if not (data.startswith(_PNG) and data[12:16] == b"IHDR") or len(data) < 26:
+        return False
+    if data[25] in _PNG_ALPHA_TYPES:
+        return True
+    offset = 8
+    while offset + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        tag = data[offset + 4 : offset + 8]
+        if tag == b"tRNS":
+            return True
+        if tag in (b"IDAT", b"IEND"):
+            return False
+        offset += 12 + length  # length, tag, data, CRC
+    return False
 
 
 def _jpeg(data: bytes) -> tuple[str, int, int] | None:

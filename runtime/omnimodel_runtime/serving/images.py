@@ -29,6 +29,7 @@ from omnimodel_runtime.pipeline import InputModality, Modality, Pipeline, Route
 from omnimodel_runtime.protocol.images import (
     IMAGES_TENSOR,
     MAX_SOURCE_SIDE,
+    NO_STRENGTH_WITHOUT_MASK,
     ImageChatChoice,
     ImageChatCompletionRequest,
     ImageChatCompletionResponse,
@@ -48,7 +49,7 @@ from omnimodel_runtime.protocol.openai import ChatMessageParam, UsageInfo
 from omnimodel_runtime.protocol.stage import FinalFrame, MediaInput, StageParams, StageRequest, TensorFrame
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError, invalid
-from omnimodel_runtime.serving.image_files import image_info
+from omnimodel_runtime.serving.image_files import image_info, png_has_alpha
 from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, chat_content, check_text_only
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.serving.sse import DONE, sse
@@ -114,8 +115,9 @@ class Generated:
 # a list of them), and ``mask``.
 IMAGE_FIELDS: Final = ("image", "image[]")
 MASK_FIELD: Final = "mask"
-# The request tensor that carries an edit's input image file.
+# The request tensors that carry an edit's input image file and its mask file.
 EDIT_IMAGE_TENSOR: Final = "image"
+EDIT_MASK_TENSOR: Final = "mask"
 
 
 class ImageService(Service):
@@ -179,27 +181,31 @@ class ImageService(Service):
     async def edit(self, fields: Mapping[str, str], files: Mapping[str, Sequence[bytes]]) -> ImagesResponse:
         """``POST /v1/images/edits``: the form's text ``fields`` and its ``files`` (by field name) → PNGs.
 
-        One input image per request (``QwenImageEditPipeline`` takes one). ``mask`` is refused with a 400
-        naming it: the pipeline has no mask input, and masking its result afterwards (pasting the
-        unmasked pixels back) would be an invention of ours with visible seams, not the model's edit.
+        One input image per request (``QwenImageEditPipeline`` takes one) and at most one ``mask``:
+        OpenAI's, a PNG of the image's size whose fully transparent pixels are the area to edit. A masked
+        edit runs as diffusers' ``QwenImageEditInpaintPipeline`` (same checkpoint) with ``strength``; an
+        unmasked one takes only ``strength`` 1.0, all the edit pipeline does.
         """
         try:
             req = ImageEditRequest.model_validate(dict(fields))
         except ValidationError as err:
             raise invalid(err) from None
         self.check_model(req.model)
-        if files.get(MASK_FIELD):
-            raise APIError(
-                f"mask is not supported: model {self.model_name!r} (QwenImageEditPipeline) edits the whole image "
-                "from the prompt and takes no mask; send the image alone",
-                param=MASK_FIELD,
-            )
         images = [data for name in IMAGE_FIELDS for data in files.get(name, ())]
         if not images:
             raise APIError("image: an edit needs an input image (a PNG, JPEG or WebP file)", param="image")
         if len(images) > 1:
             raise APIError(f"image: this model edits one image per request (got {len(images)})", param="image")
-        generated = await self._edit(req.prompt, req.params(), req.n, images[0], param="image")
+        masks = files.get(MASK_FIELD, ())
+        if len(masks) > 1:
+            raise APIError(f"mask: an edit takes one mask (got {len(masks)})", param=MASK_FIELD)
+        strength = 1.0 if req.strength is None else req.strength
+        if not masks and strength != 1.0:
+            raise APIError(f"strength: {NO_STRENGTH_WITHOUT_MASK}", param="strength")
+        mask = masks[0] if masks else None
+        generated = await self._edit(
+            req.prompt, req.params(), req.n, images[0], param="image", mask=mask, strength=strength
+        )
         pngs = await asyncio.to_thread(_encode_all, generated.images)
         out_height, out_width = generated.images[0].shape[:2]
         return ImagesResponse(
@@ -207,23 +213,61 @@ class ImageService(Service):
             size=f"{out_width}x{out_height}",
         )
 
-    async def _edit(self, prompt: str, params: TextToImageParams, n: int, data: bytes, *, param: str) -> Generated:
-        """Edit the image file ``data`` (checked from its header; errors name ``param``) by ``prompt``."""
+    def _check_file(self, data: bytes, param: str) -> tuple[str, int, int]:
+        """The MIME type and size of an uploaded image file, from its header; errors name ``param``."""
         if len(data) > self.media.max_bytes:
             raise APIError(f"{param}: the file is larger than {self.media.max_bytes} bytes", param=param)
         info = image_info(data)
         if info is None:
             raise APIError(f"{param}: the file is not a PNG, JPEG or WebP image", param=param)
-        mime, width, height = info
+        _, width, height = info
         if not (1 <= width <= MAX_SOURCE_SIDE and 1 <= height <= MAX_SOURCE_SIDE):
             raise APIError(
                 f"{param}: the image is {width}x{height} pixels; each side must be between 1 and {MAX_SOURCE_SIDE}",
                 param=param,
             )
-        edit = ImageEditParams(source_width=width, source_height=height)
-        media = (MediaInput(kind="image", tensor=EDIT_IMAGE_TENSOR, format=mime, param=param),)
-        request = self.stage_request(prompt, params, self.request_id(), edit=edit, media=media)
-        return await self.generate(request, n, {EDIT_IMAGE_TENSOR: np.frombuffer(data, dtype=np.uint8)})
+        return info
+
+    def _check_mask(self, data: bytes, size: tuple[int, int]) -> None:
+        """OpenAI's rules for ``mask``, from the file's header: a PNG with transparency (its fully
+        transparent pixels say where to edit), of the input image's size."""
+        mime, width, height = self._check_file(data, MASK_FIELD)
+        if mime != "image/png":
+            raise APIError(f"mask: must be a PNG file (got {mime})", param=MASK_FIELD)
+        if not png_has_alpha(data):
+            raise APIError(
+                "mask: the PNG has no alpha channel; its fully transparent pixels mark the area to edit",
+                param=MASK_FIELD,
+            )
+        if (width, height) != size:
+            raise APIError(
+                f"mask: the mask is {width}x{height} pixels but the image is {size[0]}x{size[1]}; they must match",
+                param=MASK_FIELD,
+            )
+
+    async def _edit(
+        self,
+        prompt: str,
+        params: TextToImageParams,
+        n: int,
+        data: bytes,
+        *,
+        param: str,
+        mask: bytes | None = None,
+        strength: float = 1.0,
+    ) -> Generated:
+        """Edit the image file ``data`` (checked from its header; errors name ``param``) by ``prompt``; with
+        a ``mask`` file, only where it is fully transparent."""
+        mime, width, height = self._check_file(data, param)
+        media = [MediaInput(kind="image", tensor=EDIT_IMAGE_TENSOR, format=mime, param=param)]
+        tensors = {EDIT_IMAGE_TENSOR: np.frombuffer(data, dtype=np.uint8)}
+        if mask is not None:
+            self._check_mask(mask, (width, height))
+            media.append(MediaInput(kind="image", tensor=EDIT_MASK_TENSOR, format="image/png", param=MASK_FIELD))
+            tensors[EDIT_MASK_TENSOR] = np.frombuffer(mask, dtype=np.uint8)
+        edit = ImageEditParams(source_width=width, source_height=height, mask=mask is not None, strength=strength)
+        request = self.stage_request(prompt, params, self.request_id(), edit=edit, media=tuple(media))
+        return await self.generate(request, n, tensors)
 
     async def _chat_edit_image(self, messages: Sequence[ChatMessageParam]) -> tuple[bytes, str]:
         """The one input image of an edit asked for in chat (vLLM-Omni's image-edit client sends it as an

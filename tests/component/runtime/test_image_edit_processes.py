@@ -70,7 +70,7 @@ def test_serve_answers_the_openai_images_edit_api(tmp_path: Path, model_cache: P
         assert refused(image=("x.png", b"not an image at all", "image/png")) == "image"
         assert refused(image=image, size="big") == "size"
         assert refused(image=image, size="40x40") == "size"  # not a multiple of 16
-        assert refused(image=image, mask=("m.png", source, "image/png")) == "mask"
+        assert refused(image=image, mask=("m.png", source, "image/png")) == "mask"  # RGB: no alpha to mark the edit
         assert refused(image=[image, image]) == "image"
         assert refused(image=image, prompt=" ") == "prompt"
         assert refused(image=image, extra_body={"strength": 0.5}) == "strength"

@@ -4,12 +4,14 @@ stages, with request batching in denoise.
 The task picks the role: ``text-to-image`` (whole), ``t2i-encode``, ``t2i-denoise``, ``t2i-decode``; for a
 pipeline that edits an input image, ``image-edit`` (whole), ``image-edit-encode``, ``image-edit-denoise``,
 ``image-edit-decode`` (the image file comes with the request as ``media[0]``; encode sends its VAE latents
-beside the embeddings). Each role loads only its components (:mod:`~omnimodel_runtime.engines.t2i.families`
-says which and how the pipeline splits). What travels between stages:
+beside the embeddings; a masked edit's mask file is ``media[1]``, and denoise then runs the family's
+inpainting pipeline, docs/pipelines/qwen-image-edit.md). Each role loads only its components
+(:mod:`~omnimodel_runtime.engines.t2i.families` says which and how the pipeline splits). What travels between stages:
 
 - encode → denoise: one ``TensorFrame`` with the prompt embeddings (and negative ones when classifier-
   free guidance is on; masks only where the pipeline has them; for an edit, the input image's VAE
-  ``image_latents``), one row per request;
+  ``image_latents``; for a masked edit also ``mask_condition`` and the image generators'
+  ``generator_states``), one row per request;
 - denoise → decode: one ``TensorFrame`` with the packed latents of the request's ``n`` images;
 - decode (or whole) → client: one ``TensorFrame`` with ``images``, ``(n, H, W, 3)`` uint8.
 
@@ -70,9 +72,18 @@ from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
-from omnimodel_runtime.engines.images import decode_image
+from omnimodel_runtime.engines.images import decode_image, decode_mask
 from omnimodel_runtime.engines.loading import LOAD_LOCK
-from omnimodel_runtime.engines.t2i.families import IMAGE_LATENTS, Conditioning, Family, PipelineDefaults, family_for
+from omnimodel_runtime.engines.t2i.families import (
+    GENERATOR_STATES,
+    IMAGE_LATENTS,
+    MASK_CONDITION,
+    Conditioning,
+    Family,
+    PipelineDefaults,
+    family_for,
+    restore_generators,
+)
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.requests import EDIT_TASKS, ROLES, Announcements, Resolved, Role, resolve
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire, upstream_tensors
@@ -118,6 +129,8 @@ class _Job(Job):
     # Edits, entry stage: the input image file's bytes and where the client put it (errors name it).
     image: np.ndarray | None = None
     image_param: str = "image"
+    # Masked edits, entry stage: the mask file's bytes (``media[1]``).
+    mask: np.ndarray | None = None
     conditioning: Conditioning | None = None
     ready_at: float = 0.0
 
@@ -139,6 +152,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self._cfg_batch = str(args.get("cfg_batch", False)).lower() not in ("0", "false", "no", "off", "")
         self._announced = Announcements()
         self._pipe: Any = None
+        # Masked edits: the family's inpainting pipeline on the same components (None where not served).
+        self._inpaint: Any = None
         self._family: Family | None = None
         self._defaults: PipelineDefaults | None = None
         self._ready: list[_Job] = []
@@ -200,7 +215,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             raise StageError("prompt must not be empty", status=400, param="prompt")
         job = _Job(request=request, params=params)
         if self._edits and self.role in (Role.WHOLE, Role.ENCODE):
-            job.image, job.image_param = _input_image(inp)
+            job.image, job.image_param, job.mask = _input_files(inp, params.masked)
         batched = self.role in (Role.WHOLE, Role.DENOISE)
         if batched:
             self._announced.add(params.key)
@@ -252,6 +267,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         if self._cfg_batch and self.role in (Role.WHOLE, Role.DENOISE) and not family.batches_guidance:
             raise ValueError(f"engine_args.cfg_batch is implemented for QwenImagePipeline, not {family.pipeline_class}")
         self._speed_up(pipe)
+        if family.inpaints and self.role is not Role.DECODE:
+            self._inpaint = family.inpaint_pipeline(pipe, model_dir)
         self._pipe, self._family = pipe, family
         self._defaults = family.defaults(type(pipe), model_dir)
         log.info(
@@ -397,9 +414,20 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
                     status=400,
                     param=job.image_param,
                 )
-        return self._family.encode(
-            self._pipe, job.request.prompt or "", job.params.negative_prompt, self._defaults.max_sequence_length, image
+        prompt, negative, length = (
+            job.request.prompt or "",
+            job.params.negative_prompt,
+            self._defaults.max_sequence_length,
         )
+        if job.mask is not None and image is not None:
+            if self._inpaint is None:
+                raise StageError("this model serves no masked edits", status=400, param="mask")
+            mask = decode_mask(job.mask, "mask", image.size)
+            # The generators of the request's images, as for an unmasked edit's noise: the inpainting
+            # pipeline draws its VAE sample from the first one, here, and denoise continues them.
+            generators = [torch.Generator("cpu").manual_seed(s) for s in job.params.seeds()]
+            return self._family.encode_masked(self._inpaint, prompt, negative, length, image, mask, generators)
+        return self._family.encode(self._pipe, prompt, negative, length, image)
 
     def _encode(self, job: _Job) -> None:
         conditioning = self._encode_conditioning(job)
@@ -415,6 +443,11 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             raise StageError("guidance is on but the upstream stage sent no negative_prompt_embeds", status=502)
         if self._edits and IMAGE_LATENTS not in tensors:
             raise StageError(f"the upstream stage sent no {IMAGE_LATENTS} for the edit", status=502)
+        if job.params.masked:
+            if MASK_CONDITION not in tensors or GENERATOR_STATES not in tensors:
+                raise StageError(f"the upstream stage sent no {MASK_CONDITION} for the masked edit", status=502)
+            if tensors[GENERATOR_STATES].shape[0] != job.params.n:
+                raise StageError(f"the upstream stage sent generators for another n than {job.params.n}", status=502)
         return Conditioning(tensors=tensors, prompt_tokens=0)
 
     def _run_batch(self, batch: list[_Job]) -> None:
@@ -453,10 +486,21 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
     def _denoise(self, batch: list[_Job], params: Resolved) -> torch.Tensor:
         assert self._family is not None
         items = [(j.conditioning, j.params.n) for j in batch if j.conditioning is not None]
-        kwargs, inputs = self._family.denoise_inputs(self._pipe, items, params.source)
+        # A masked edit runs the inpainting pipeline's loop (its strength, its latent blending each step).
+        pipe = self._inpaint if params.masked else self._pipe
+        if pipe is None:
+            raise StageError("this model serves no masked edits", status=400, param="mask")
+        kwargs, inputs = self._family.denoise_inputs(
+            pipe, items, params.source, params.strength if params.masked else None
+        )
         # Per-image CPU generators: the same seed gives the same initial noise alone or in a batch, and
-        # on any device (diffusers draws on the CPU and moves the noise).
-        generators = [torch.Generator("cpu").manual_seed(s) for j in batch for s in j.params.seeds()]
+        # on any device (diffusers draws on the CPU and moves the noise). A masked edit's come from encode,
+        # past the VAE sample the inpainting pipeline draws first.
+        generators = (
+            [g for j in batch if j.conditioning for g in restore_generators(j.conditioning.tensors[GENERATOR_STATES])]
+            if params.masked
+            else [torch.Generator("cpu").manual_seed(s) for j in batch for s in j.params.seeds()]
+        )
 
         def step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # Nobody is waiting for any image of this batch any more: skip the remaining steps.
@@ -470,7 +514,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             else contextlib.nullcontext()
         )
         with guidance, inputs:
-            result = self._pipe(
+            result = pipe(
                 **kwargs,
                 **self._family.guidance_kwargs(
                     cfg=params.cfg, true_cfg_scale=params.true_cfg_scale, guidance_scale=params.guidance_scale
@@ -504,19 +548,24 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         )
 
 
-def _input_image(inp: StageInput) -> tuple[np.ndarray, str]:
-    """The bytes of an edit's one input image (``media[0]``) and its ``param``; a 400 when it is missing."""
+def _input_files(inp: StageInput, masked: bool) -> tuple[np.ndarray, str, np.ndarray | None]:
+    """The bytes of an edit's one input image (``media[0]``), its ``param``, and with ``masked`` its mask's
+    (``media[1]``); a 400 when one is missing or extra."""
     media = inp.request.media
-    if len(media) != 1 or media[0].kind != "image":
+    expected = 2 if masked else 1
+    if len(media) != expected or any(m.kind != "image" for m in media):
+        # Name what is missing (the image, then the mask) or the first file too many.
+        param = media[expected].param if len(media) > expected else ("mask" if media else "image")
         raise StageError(
-            "an edit takes exactly one input image", status=400, param=media[0].param if media else "image"
+            "an edit takes exactly one input image" + (" and one mask" if masked else ""), status=400, param=param
         )
-    data = inp.tensors.get(media[0].tensor)
-    if data is None:
-        raise StageError(
-            f"{media[0].param}: its bytes did not arrive with the request", status=400, param=media[0].param
-        )
-    return data, media[0].param
+    files = []
+    for item in media:
+        data = inp.tensors.get(item.tensor)
+        if data is None:
+            raise StageError(f"{item.param}: its bytes did not arrive with the request", status=400, param=item.param)
+        files.append(data)
+    return files[0], media[0].param, files[1] if masked else None
 
 
 def _blank_png(side: int) -> np.ndarray:

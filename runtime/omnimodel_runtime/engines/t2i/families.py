@@ -15,7 +15,8 @@ What differs between families is the names of the embedding tensors, which of th
 (and so need padding and a mask to batch requests of different prompt lengths), and how latents are
 unpacked and de-normalised; a :class:`Family` says exactly that. Covered here: ``QwenImagePipeline``
 (Qwen-Image and its fine-tunes), ``QwenImageEditPipeline`` (Qwen-Image-Edit: its encode stage also
-encodes the input image, :class:`QwenImageEditFamily`) and ``FluxPipeline`` (FLUX.1 dev/schnell and
+encodes the input image, :class:`QwenImageEditFamily`; with a mask, ``QwenImageEditInpaintPipeline`` on the
+same components) and ``FluxPipeline`` (FLUX.1 dev/schnell and
 fine-tunes).
 
 Facts the split must respect (see docs/reference/PIPELINE-NOTES.md): latents come back *packed* ``(B, tokens, C)``, so
@@ -89,6 +90,8 @@ class Family(abc.ABC):
     edits: ClassVar[bool] = False
     # Prefixes of the components the encode stage loads.
     encode_components: ClassVar[tuple[str, ...]] = ENCODE_COMPONENTS
+    # Whether masked edits are served (an inpainting pipeline on the same components).
+    inpaints: ClassVar[bool] = False
 
     # ------------------------------------------------------------ loading
 
@@ -157,11 +160,36 @@ class Family(abc.ABC):
         also encodes its input ``image`` (an RGB ``PIL.Image``)."""
 
     def denoise_inputs(
-        self, pipe: Any, items: Sequence[tuple[Conditioning, int]], source: tuple[int, int] | None
+        self,
+        pipe: Any,
+        items: Sequence[tuple[Conditioning, int]],
+        source: tuple[int, int] | None,
+        strength: float | None = None,
     ) -> tuple[dict[str, Any], contextlib.AbstractContextManager[Any]]:
         """The conditioning arguments of one ``pipe(...)`` call for several requests (:meth:`batch`) and
-        a context to make that call in."""
+        a context to make that call in; ``strength`` is given for masked edits only (``pipe`` is then the
+        :meth:`inpaint_pipeline`)."""
+        if strength is not None:
+            raise ValueError(f"{self.pipeline_class} serves no masked edits")
         return self.batch(items, pipe._execution_device), contextlib.nullcontext()
+
+    def inpaint_pipeline(self, pipe: Any, model_dir: Path) -> Any:
+        """The inpainting pipeline on ``pipe``'s components (masked edits; see :attr:`inpaints`)."""
+        raise ValueError(f"{self.pipeline_class} serves no masked edits")
+
+    def encode_masked(
+        self,
+        inpaint: Any,
+        prompt: str,
+        negative_prompt: str | None,
+        max_sequence_length: int,
+        image: Any,
+        mask: Any,
+        generators: Sequence[torch.Generator],
+    ) -> Conditioning:
+        """:meth:`encode` for a masked edit, on the :meth:`inpaint_pipeline`; ``mask`` is a ``PIL`` ``L``
+        image, white where to repaint (diffusers' convention)."""
+        raise ValueError(f"{self.pipeline_class} serves no masked edits")
 
     def batch(self, items: Sequence[tuple[Conditioning, int]], device: Any) -> dict[str, torch.Tensor]:
         """The embedding arguments of one ``pipe(...)`` call for several requests: each request's rows
@@ -359,6 +387,7 @@ class QwenImageEditFamily(QwenImageFamily):
     # merge_guidance would apply (the same transformer call), but is not checked against this pipeline.
     batches_guidance: ClassVar[bool] = False
     edits: ClassVar[bool] = True
+    inpaints: ClassVar[bool] = True
     encode_components: ClassVar[tuple[str, ...]] = (*ENCODE_COMPONENTS, "processor", "vae")
     # ``calculate_dimensions``' target area in ``QwenImageEditPipeline.__call__``.
     CONDITION_AREA: ClassVar[int] = 1024 * 1024
@@ -387,6 +416,16 @@ class QwenImageEditFamily(QwenImageFamily):
     ) -> Conditioning:
         if image is None:
             raise ValueError("QwenImageEditPipeline encodes a prompt with its input image")
+        tensors, pixels, prompt_tokens = self._embed(pipe, prompt, negative_prompt, max_sequence_length, image)
+        # The edit pipeline conditions on the latent distribution's mode: no seed.
+        tensors[IMAGE_LATENTS] = pipe._encode_vae_image(pixels, generator=None)
+        return Conditioning(tensors=tensors, prompt_tokens=prompt_tokens)
+
+    def _embed(
+        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """The prompt embeddings (with the image), the VAE's input pixels on the device, and the prompt's
+        token count: what ``__call__`` computes from the input image before it draws noise."""
         width, height = self.condition_size(*image.size)
         # As __call__ does: the resized picture goes to the text encoder's processor, its preprocessed
         # pixels to the VAE, both at the condition's size.
@@ -404,11 +443,54 @@ class QwenImageEditFamily(QwenImageFamily):
             tensors["negative_prompt_embeds"] = neg
             if neg_mask is not None:
                 tensors["negative_prompt_embeds_mask"] = neg_mask
-        tensors[IMAGE_LATENTS] = pipe._encode_vae_image(pixels.to(device=device, dtype=embeds.dtype), generator=None)
-        return Conditioning(tensors=tensors, prompt_tokens=int(embeds.shape[1]))
+        return tensors, pixels.to(device=device, dtype=embeds.dtype), int(embeds.shape[1])
+
+    def inpaint_pipeline(self, pipe: Any, model_dir: Path) -> Any:
+        from diffusers import QwenImageEditInpaintPipeline  # noqa: PLC0415
+        from diffusers.image_processor import VaeImageProcessor  # noqa: PLC0415
+
+        # The same module objects (no second copy of any weight), the components this stage skipped None.
+        inpaint = QwenImageEditInpaintPipeline(**pipe.components)
+        self.configure(inpaint, model_dir)
+        if getattr(inpaint, "vae", None) is None:
+            # Built in __init__ from the VAE-less defaults, like image_processor (configure): redo it.
+            inpaint.mask_processor = VaeImageProcessor(
+                vae_scale_factor=inpaint.vae_scale_factor * self.patch_size(),
+                vae_latent_channels=inpaint.latent_channels,
+                do_normalize=False,
+                do_binarize=True,
+                do_convert_grayscale=True,
+            )
+        inpaint.set_progress_bar_config(disable=True)
+        return inpaint
+
+    def encode_masked(
+        self,
+        inpaint: Any,
+        prompt: str,
+        negative_prompt: str | None,
+        max_sequence_length: int,
+        image: Any,
+        mask: Any,
+        generators: Sequence[torch.Generator],
+    ) -> Conditioning:
+        tensors, pixels, prompt_tokens = self._embed(inpaint, prompt, negative_prompt, max_sequence_length, image)
+        # QwenImageEditInpaintPipeline.prepare_latents: the image latents are a *sample* of the VAE's
+        # distribution, drawn from the first image's generator before any noise. Drawn here (the VAE is in
+        # this stage) and the generators' states sent on, so denoise draws its noise where diffusers does.
+        tensors[IMAGE_LATENTS] = inpaint._encode_vae_image(pixels, generator=list(generators))
+        width, height = self.condition_size(*image.size)
+        # diffusers' own mask preprocessing (grey, resized to the condition's size, binarised at 0.5).
+        tensors[MASK_CONDITION] = inpaint.mask_processor.preprocess(mask, height=height, width=width)
+        tensors[GENERATOR_STATES] = torch.stack([g.get_state() for g in generators])
+        return Conditioning(tensors=tensors, prompt_tokens=prompt_tokens)
 
     def denoise_inputs(
-        self, pipe: Any, items: Sequence[tuple[Conditioning, int]], source: tuple[int, int] | None
+        self,
+        pipe: Any,
+        items: Sequence[tuple[Conditioning, int]],
+        source: tuple[int, int] | None,
+        strength: float | None = None,
     ) -> tuple[dict[str, Any], contextlib.AbstractContextManager[Any]]:
         if source is None:
             raise ValueError("an edit needs the input image's size")
@@ -417,10 +499,14 @@ class QwenImageEditFamily(QwenImageFamily):
         device = pipe._execution_device
         latents = torch.cat([c.tensors[IMAGE_LATENTS].to(device).repeat_interleave(n, dim=0) for c, n in items])
         embeddings = [
-            (Conditioning({k: v for k, v in c.tensors.items() if k != IMAGE_LATENTS}, c.prompt_tokens), n)
+            (Conditioning({k: v for k, v in c.tensors.items() if k not in _NOT_EMBEDDINGS}, c.prompt_tokens), n)
             for c, n in items
         ]
         kwargs: dict[str, Any] = {**self.batch(embeddings, device), "image": Image.new("RGB", source)}
+        if strength is not None:
+            # One mask row per image; the pipeline's mask processor passes a binarised tensor of its size on.
+            masks = [c.tensors[MASK_CONDITION].to(device).repeat_interleave(n, dim=0) for c, n in items]
+            kwargs |= {"mask_image": torch.cat(masks), "strength": strength}
         return kwargs, _encoded_image(pipe, latents)
 
     def dummy_conditioning(self, pipe: Any, condition: tuple[int, int] | None = None) -> Conditioning:
@@ -434,6 +520,23 @@ class QwenImageEditFamily(QwenImageFamily):
 
 # The normalised VAE latents of an edit's input image, ``(1, z_dim, 1, h, w)``, from encode to denoise.
 IMAGE_LATENTS: Final = "image_latents"
+# A masked edit's mask as diffusers' mask processor makes it, ``(1, 1, H, W)`` at the condition's size,
+# 1.0 where to repaint.
+MASK_CONDITION: Final = "mask_condition"
+# A masked edit's CPU generator states, ``(n, state bytes)`` uint8, after encode drew the VAE sample.
+GENERATOR_STATES: Final = "generator_states"
+_NOT_EMBEDDINGS: Final = frozenset({IMAGE_LATENTS, MASK_CONDITION, GENERATOR_STATES})
+
+
+def restore_generators(states: torch.Tensor) -> list[torch.Generator]:
+    """CPU generators in the states :data:`GENERATOR_STATES` carries (one row each)."""
+    generators = []
+    for row in states.to("cpu", torch.uint8):
+        generator = torch.Generator("cpu")
+        # A copy: set_state reads the tensor's whole storage, and a row of the stacked states shares it.
+        generator.set_state(row.clone())
+        generators.append(generator)
+    return generators
 
 
 @contextlib.contextmanager

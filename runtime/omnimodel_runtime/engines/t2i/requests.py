@@ -53,6 +53,9 @@ class Resolved:
     # Edits: the input image's size and the size the pipeline encodes it at (None for text to image).
     source: tuple[int, int] | None = None
     condition: tuple[int, int] | None = None
+    # Masked edits (QwenImageEditInpaintPipeline): a mask came with the image, and its strength.
+    masked: bool = False
+    strength: float = 1.0
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -65,6 +68,9 @@ class Resolved:
             self.cfg,
             self.true_cfg_scale if self.cfg else None,
             self.guidance_scale,
+            # Masked and plain edits run different pipelines; masked ones share a call only at one strength.
+            self.masked,
+            self.strength,
         )
 
     def seeds(self) -> list[int]:
@@ -90,6 +96,16 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
         raise StageError("this model generates images from text; it takes no input image", status=400, param="image")
     width = params.width if params.width is not None else default_width
     height = params.height if params.height is not None else default_height
+    masked = edit is not None and edit.mask
+    if masked and (width, height) != (default_width, default_height):
+        # QwenImageEditInpaintPipeline.__call__ always works at the condition's size (it overrides height
+        # and width), so another size is refused rather than silently not given.
+        raise StageError(
+            f"size: a masked edit's output has the pipeline's size for this input, "
+            f"{default_width}x{default_height} (send that, auto or no size; got {width}x{height})",
+            status=400,
+            param="size",
+        )
     if width % defaults.multiple or height % defaults.multiple:
         raise StageError(
             f"size must be a multiple of {defaults.multiple} pixels in each dimension for this model "
@@ -107,6 +123,14 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
             status=400,
             param="num_inference_steps",
         )
+    strength = edit.strength if edit is not None else 1.0
+    if masked and steps - int(max(steps - steps * strength, 0)) < 1:
+        # The pipeline's get_timesteps: strength keeps the last steps * strength steps of the schedule.
+        raise StageError(
+            f"strength {strength} leaves no denoising step of {steps}; raise strength or num_inference_steps",
+            status=400,
+            param="strength",
+        )
     guidance = None
     if defaults.guidance_distilled:
         guidance = params.guidance_scale if params.guidance_scale is not None else defaults.guidance_scale
@@ -122,6 +146,8 @@ def resolve(request: StageRequest, defaults: PipelineDefaults) -> Resolved:
         seed=params.seed,
         source=source,
         condition=condition,
+        masked=masked,
+        strength=strength,
     )
 
 
