@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,15 @@ if TYPE_CHECKING:
 # here share runtime_procs.py, stage_engines.py and omni_helpers.py (plain helpers, not fixtures), so this
 # directory goes on the path first.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def openai_clients() -> Iterator[None]:
+    """The clients runtime_procs.openai_client made, closed once the session's tests are done."""
+    from runtime_procs import close_openai_clients
+
+    yield
+    close_openai_clients()
 
 
 @pytest.fixture(scope="session")

@@ -198,9 +198,22 @@ def split_deployment(
         yield deployment
 
 
+# Every client openai_client made, closed by close_openai_clients at the end of the session: a client
+# collected with its keep-alive sockets open warns "unclosed socket" in whichever test runs then (warnings
+# are errors), failing a test that did nothing wrong.
+_CLIENTS: list[openai.OpenAI] = []
+
+
 def openai_client(url: str, *, timeout: float = 120.0) -> openai.OpenAI:
     """The official client of the server at ``url``; no retries, so a failure shows at once."""
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    _CLIENTS.append(client)
+    return client
+
+
+def close_openai_clients() -> None:
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 # -------------------------------------------------------------------------- metrics

@@ -20,7 +20,7 @@ import av
 import openai
 import pytest
 from openai.types import Video
-from runtime_procs import RuntimeProcess, free_port, running, runtime_env
+from runtime_procs import RuntimeProcess, free_port, openai_client, running, runtime_env
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -64,7 +64,7 @@ def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, 
     )
     with running(serve):
         serve.wait_healthy()
-        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai_client(serve.url, timeout=60)
         created = client.videos.create(
             model=MODEL,
             prompt="a paper boat on a river",
@@ -138,7 +138,7 @@ def test_a_job_queued_on_a_remote_stage_outlives_the_stage_read_timeout(
     with running(proc, gateway):
         proc.wait_healthy()
         gateway.wait_healthy()
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai_client(gateway.url, timeout=60)
         # About 6 s of this CPU's work (20 steps of 256x256x81), then the short job behind it.
         first = client.videos.create(
             model=MODEL,
