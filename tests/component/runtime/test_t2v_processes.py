@@ -116,6 +116,15 @@ def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, 
         assert [v.id for v in client.videos.list().data] == [after.id, slow.id]
 
 
+def test_the_shipped_keepalive_is_well_inside_the_shipped_stage_read_timeout() -> None:
+    """The test below runs both scaled down (0.5 s keep-alives, a 2 s read timeout); what users get must
+    keep the same margin, or a queued job would end in a 504 under the shipped settings."""
+    from omnimodel_runtime.engines.t2v.diffusers import KEEPALIVE
+    from omnimodel_runtime.settings import RuntimeSettings
+
+    assert RuntimeSettings.model_fields["stage_read_timeout"].default >= KEEPALIVE * 4
+
+
 def test_a_job_queued_on_a_remote_stage_outlives_the_stage_read_timeout(
     tmp_path: Path, model_cache: Path, tiny_t2v: Path
 ) -> None:
