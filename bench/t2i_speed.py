@@ -1,7 +1,7 @@
 """The text-to-image engine's speed options on one pipeline, in one process: eager (diffusers as it is), then
 the engine's ``cache`` and ``compile`` options applied by the engine's own code (``_speed_up``), each timed
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
-``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
+``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``; ``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
 engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group
 on the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike;
 a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
@@ -181,6 +181,8 @@ def main() -> None:
         engine_args: dict[str, Any] = {}
         if "taylorseer" in variant:
             engine_args["cache"] = "taylorseer"
+            if "blocks" in variant:  # taylorseer-blocks: whole blocks predicted, not only their attention
+                engine_args["cache_scope"] = "blocks"
         if "regional" in variant:
             engine_args["compile"] = "regional"
         for backend in ("cudnn", "flash", "efficient"):
@@ -216,6 +218,9 @@ def main() -> None:
             pipe.transformer.disable_cache()
         if engine_args.get("attention"):  # the next group picks its own kernel again
             pipe.transformer.set_attention_backend("native")
+        for block in pipe.transformer.modules():  # compile: regional set the blocks' own forward; undo it
+            if "forward" in vars(block) and hasattr(block.forward, "_torchdynamo_orig_callable"):
+                del block.forward
     print(json.dumps(report, indent=2))
 
 

@@ -27,10 +27,15 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   it for every block (diffusers' ``compile_repeated_blocks``): CUDA kernels fused, far fewer launches.
   Pixels then differ from the eager pipeline's by the compiled kernels' rounding.
 - ``cache: taylorseer`` (``cache_interval``, default 3; ``cache_warmup``, default 3) turns on diffusers'
-  TaylorSeer cache: after the first ``cache_warmup`` steps, only every ``cache_interval``-th step runs the
-  transformer blocks; the steps between predict each block's output from its last ones (first-order
-  Taylor expansion in the step). A fixed schedule, so it skips the same work whatever the weights, at a
-  quality cost the benchmark states (pixel difference from the exact path on the same seed).
+  TaylorSeer cache: after the first ``cache_warmup`` steps, only every ``cache_interval``-th step computes
+  the cached modules; the steps between predict each one's output from its last ones (first-order Taylor
+  expansion in the step). ``cache_scope: attention`` (default, diffusers' own choice) caches the blocks'
+  attention modules (the rest of each block still runs every step); ``cache_scope: blocks`` caches whole
+  repeated transformer blocks, so a predicted step runs none of them. A fixed schedule, so it skips the
+  same work whatever the weights, at a quality cost the benchmark states (pixel difference from the exact
+  path on the same seed). With ``compile: regional`` it needs ``cache_scope: blocks``: the compiled code is
+  the blocks' own forward, which the cache hooks then wrap (a hook inside a compiled block would break
+  its graph).
   ``cache: first_block`` (``cache_threshold``, default 0.08) is diffusers' First-Block Cache instead:
   it skips the remaining blocks of a step whose first block's output barely changed (adaptive; with
   random weights it rarely triggers).
@@ -58,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -114,6 +120,16 @@ LATENTS: Final = "latents"
 RECOMPILE_LIMIT: Final = 64
 # engine_args.attention -> diffusers' attention backend (PyTorch's scaled-dot-product kernels, pinned).
 ATTENTION_BACKENDS: Final = {"cudnn": "_native_cudnn", "flash": "_native_flash", "efficient": "_native_efficient"}
+
+
+def repeated_blocks(transformer: Any) -> list[tuple[str, Any]]:
+    """The transformer's repeated blocks (diffusers' ``_repeated_blocks`` class names), with their module
+    names: what ``compile: regional`` compiles and ``cache_scope: blocks`` caches."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    found = [(name, module) for name, module in transformer.named_modules() if type(module).__name__ in names]
+    if not found:
+        raise ValueError(f"{type(transformer).__name__} names no repeated blocks to compile or cache")
+    return found
 
 
 @dataclass(eq=False, kw_only=True)
@@ -282,12 +298,49 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         )
 
     def _speed_up(self, pipe: Any) -> None:
-        """The ``compile`` and ``cache`` engine arguments (module docstring) on the loaded transformer."""
+        """The ``compile``, ``cache`` and ``attention`` engine arguments (module docstring) on the loaded
+        transformer."""
         args = self.context.stage.engine_args
         transformer = getattr(pipe, "transformer", None)
         if transformer is None:
             return
         cache = args.get("cache")
+        scope = args.get("cache_scope") or "attention"
+        mode = args.get("compile")
+        attention = args.get("attention")
+        if cache not in (None, "", "none", "taylorseer", "first_block"):
+            raise ValueError(f"engine_args.cache must be taylorseer, first_block or none, not {cache!r}")
+        if scope not in ("attention", "blocks"):
+            raise ValueError(f"engine_args.cache_scope must be attention or blocks, not {scope!r}")
+        if mode not in (None, "", "none", "regional"):
+            raise ValueError(f"engine_args.compile must be regional or none, not {mode!r}")
+        if attention not in (None, "", "native") and attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"engine_args.attention must be one of native, {', '.join(ATTENTION_BACKENDS)}, not {attention!r}"
+            )
+        compiled = mode == "regional"
+        if compiled and cache == "taylorseer" and scope != "blocks":
+            raise ValueError(
+                "engine_args.compile: regional with cache: taylorseer needs engine_args.cache_scope: blocks "
+                "(attention-scoped cache hooks sit inside the compiled blocks)"
+            )
+        if compiled and cache == "first_block":
+            raise ValueError("engine_args.compile: regional does not combine with cache: first_block")
+        if attention not in (None, "", "native"):
+            transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
+        block_cache = cache == "taylorseer" and scope == "blocks"
+        blocks = repeated_blocks(transformer) if compiled or block_cache else []
+        if compiled:
+            # Shapes vary by request: the prompt's token count, the batch, the image size. dynamic=None lets
+            # dynamo compile a shape-generic graph when a dimension changes (a second prompt length, say)
+            # instead of one graph per shape; with dynamic=False every new prompt length cost a compile and
+            # the ninth failed the request (fullgraph: FailOnRecompileLimitHit, seen on the H200).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # The block's own forward, not the module call (diffusers' compile_repeated_blocks): cache hooks
+            # installed below replace ``forward`` and call this compiled one on the steps they compute. The
+            # blocks share one code object, so dynamo compiles it once for all of them.
+            for _, block in blocks:
+                block.forward = torch.compile(block.forward, fullgraph=True, dynamic=None)
         if cache not in (None, "", "none"):
             import diffusers  # noqa: PLC0415
 
@@ -297,32 +350,19 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
                     disable_cache_before_step=int(args.get("cache_warmup", 3)),
                     max_order=1,
                     taylor_factors_dtype=torch.float32,
+                    cache_identifiers=[re.escape(name) for name, _ in blocks] if block_cache else None,
                 )
-            elif cache == "first_block":
-                config = diffusers.FirstBlockCacheConfig(threshold=float(args.get("cache_threshold", 0.08)))
             else:
-                raise ValueError(f"engine_args.cache must be taylorseer, first_block or none, not {cache!r}")
+                config = diffusers.FirstBlockCacheConfig(threshold=float(args.get("cache_threshold", 0.08)))
             transformer.enable_cache(config)
-        attention = args.get("attention")
-        if attention not in (None, "", "native"):
-            if attention not in ATTENTION_BACKENDS:
-                raise ValueError(
-                    f"engine_args.attention must be one of native, {', '.join(ATTENTION_BACKENDS)}, not {attention!r}"
-                )
-            transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
-        mode = args.get("compile")
-        if mode not in (None, "", "none"):
-            if mode != "regional":
-                raise ValueError(f"engine_args.compile must be regional or none, not {mode!r}")
-            # Shapes vary by request: the prompt's token count, the batch, the image size. dynamic=None lets
-            # dynamo compile a shape-generic graph when a dimension changes (a second prompt length, say)
-            # instead of one graph per shape; with dynamic=False every new prompt length cost a compile and
-            # the ninth failed the request (fullgraph: FailOnRecompileLimitHit, seen on the H200).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            transformer.compile_repeated_blocks(fullgraph=True, dynamic=None)
         if any(value not in (None, "", "none", "native") for value in (cache, mode, attention)):
             log.info(
-                "Transformer of stage %s: compile=%s cache=%s attention=%s", self.stage.name, mode, cache, attention
+                "Transformer of stage %s: compile=%s cache=%s (%s) attention=%s",
+                self.stage.name,
+                mode,
+                cache,
+                scope,
+                attention,
             )
 
     def _dummy_inputs(self, side: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
