@@ -1,7 +1,8 @@
 """The text-to-image engine's speed options on one pipeline, in one process: eager (diffusers as it is), then
 the engine's ``cache`` and ``compile`` options applied by the engine's own code (``_speed_up``), each timed
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
-``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``; ``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
+``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``.
+``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
 engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group
 on the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike;
 a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.

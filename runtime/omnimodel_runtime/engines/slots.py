@@ -15,6 +15,11 @@ own modules: norms, projections, rotary embedding, MLP) over a cache of fixed sh
 - on CUDA, each step shape (rows rounded up to a power of two, ``L`` to a power of two from 256) is a
   captured **CUDA graph**, all captured at start (:meth:`capture_all`), so a step is one launch and the
   first request pays no capture. Elsewhere (CPU, the tests) the same function runs eagerly.
+- ``compiled``: each layer's step body (the part before its cache write and the part after) goes through
+  ``torch.compile`` (shape-generic graphs, reused by every layer: they share the code) before the
+  capture, so the graph replays inductor's fused kernels (norms, rotary embedding, softmax, activation)
+  instead of ~40 small eager kernels a layer. A body that does not compile (a mixture-of-experts MLP's
+  routing, say) is captured uncompiled instead.
 
 A step is idempotent for its inputs (it writes the key/value of position ``p`` and reads positions
 ``<= p``), so rows whose step result is not used (a talker row still waiting for its input) may run
@@ -118,10 +123,13 @@ class SlotDecoder:
     """Decode steps over a static per-slot KV cache; see the module docstring.
 
     ``body``: the decoder (``layers``, ``norm``, ``rotary_emb``), ``head``: the output projection.
-    ``graphs``: capture CUDA graphs (CUDA only).
+    ``graphs``: capture CUDA graphs (CUDA only). ``compiled``: compile the layer body first (see the module
+    docstring).
     """
 
-    def __init__(self, body: Any, head: Any, *, slots: int, capacity: int, graphs: bool) -> None:
+    def __init__(
+        self, body: Any, head: Any, *, slots: int, capacity: int, graphs: bool, compiled: bool = False
+    ) -> None:
         problem = supported(body)
         if problem is not None:
             raise ValueError(f"this model cannot decode in slots: {problem}")
@@ -156,6 +164,14 @@ class SlotDecoder:
         self.graphs = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.compiled = compiled
+        self._project_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._project
+        self._attend_fn: Callable[..., torch.Tensor] = self._attend
+        if compiled:
+            # dynamic=True: rows and attention length are symbolic from the first call, so the step buckets
+            # share one graph (plus one for a single row, which dynamo specialises) instead of a compile each.
+            self._project_fn = torch.compile(self._project, fullgraph=True, dynamic=True)
+            self._attend_fn = torch.compile(self._attend, fullgraph=True, dynamic=True)
 
     def _probe_rotary(self) -> bool:
         """Whether the rotary embedding wants (3, rows, 1) positions (multimodal RoPE in the transformers
@@ -234,21 +250,37 @@ class SlotDecoder:
         return hidden[:n], logits[:n]
 
     def capture_all(self) -> None:
-        """Capture every step shape now (CUDA graphs only), so no request waits for a capture."""
+        """Capture every step shape now (CUDA graphs only), so no request waits for a capture (or for the
+        compilation of a ``compiled`` decoder, which happens in the first capture's warm-up runs)."""
         if not self.graphs:
             return
         self._index.zero_()
         self._rope.zero_()
         try:
-            for rows in self.rows:
-                for length in self.lengths:
-                    self._graph(rows, length)
-        except Exception:  # a model whose step cannot be captured still serves, eagerly
-            log.exception("CUDA graph capture of the decode step failed; decoding eagerly")
-            self.graphs = False
+            self._capture_shapes()
+        except Exception:
+            if not self.compiled:  # a model whose step cannot be captured still serves, eagerly
+                log.exception("CUDA graph capture of the decode step failed; decoding eagerly")
+                self.graphs = False
+                self._graphs.clear()
+                return
+            log.exception("The compiled decode step failed; capturing it uncompiled")
+            self.compiled, self._project_fn, self._attend_fn = False, self._project, self._attend
             self._graphs.clear()
+            self.capture_all()
             return
-        log.info("Captured %d decode-step graphs (rows %s, lengths %s)", len(self._graphs), self.rows, self.lengths)
+        log.info(
+            "Captured %d decode-step graphs (rows %s, lengths %s, %s)",
+            len(self._graphs),
+            self.rows,
+            self.lengths,
+            "compiled" if self.compiled else "eager kernels",
+        )
+
+    def _capture_shapes(self) -> None:
+        for rows in self.rows:
+            for length in self.lengths:
+                self._graph(rows, length)
 
     def _graph(self, rows: int, length: int) -> tuple[Any, Any]:
         key = (rows, length)
@@ -261,9 +293,11 @@ class SlotDecoder:
     def _forward(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step over slots ``0..rows-1`` attending to positions ``0..length-1`` (graph-capturable: no
         host synchronisation, fixed shapes)."""
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        group = heads // kv_heads
-        x = self._embeds[:rows].unsqueeze(1)  # (rows, 1, hidden)
+        kv_heads, dim = self.kv_heads, self.head_dim
+        # (rows, 1, hidden). A copy, so the first layer's input is the same kind of tensor as the others'
+        # (under inference mode: an inference tensor, not a view of a buffer), or compiled layers
+        # would keep a second graph for it.
+        x = self._embeds[:rows].unsqueeze(1).clone()
         index = self._index[:rows]
         cos, sin = self._rotary(x, self._rope[:rows])  # (rows, 1, dim)
         future = self._positions[:length].unsqueeze(0) > index.unsqueeze(1)  # (rows, length)
@@ -273,23 +307,51 @@ class SlotDecoder:
         flat = (self._slot_ids[:rows, None] * kv_heads + self._head_ids[None, :]) * self.capacity + index[:, None]
         flat = flat.reshape(-1)
         for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
-            attn = layer.self_attn
-            h = self._rms(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(rows, heads, dim)
-            k = attn.k_proj(h).view(rows, kv_heads, dim)
-            v = attn.v_proj(h).view(rows, kv_heads, dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._project_fn(layer, x, cos, sin, rows)
+            # The cache write stays outside the compiled parts: a compiled function that mutated its input
+            # (the whole cache, through a view) could copy all of it back each call.
             keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim))
             values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim))
-            scores = torch.matmul(q.view(rows, kv_heads, group, dim), keys[:rows, :, :length].transpose(-1, -2))
-            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(v.dtype)
-            out = torch.matmul(probs, values[:rows, :, :length]).reshape(rows, 1, heads * dim)
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
+            x = self._attend_fn(layer, x, q, keys, values, bias, rows, length)
         hidden = self._rms(self.body.norm, x)[:, 0]
         logits = self.head(hidden).float()
         return hidden, logits
+
+    def _project(
+        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's query, key and value of the step's rows, rotated (before its cache write)."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        attn = layer.self_attn
+        h = self._rms(layer.input_layernorm, x)
+        q = attn.q_proj(h).view(rows, heads, dim)
+        k = attn.k_proj(h).view(rows, kv_heads, dim)
+        v = attn.v_proj(h).view(rows, kv_heads, dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _attend(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor,
+        rows: int,
+        length: int,
+    ) -> torch.Tensor:
+        """The rest of a layer once its key/value are in the cache: attention over the first ``length``
+        positions, output projection, MLP (both residual)."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        attn = layer.self_attn
+        scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, dim), keys[:rows, :, :length].transpose(-1, -2))
+        probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values[:rows, :, :length]).reshape(rows, 1, heads * dim)
+        x = x + attn.o_proj(out)
+        out_x: torch.Tensor = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
+        return out_x
 
 
 class SlotTable:

@@ -193,3 +193,41 @@ async def test_a_request_with_audio_and_an_image_runs_whole_through_generate_bes
     text, _ = whole_omni.generate_content(content, speaker="Chelsie", max_tokens=24, seed=5, speech=False)
     assert both[0].json()["choices"][0]["message"]["content"] == text
     assert both[1].json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def compiled(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
+    """The same stages with ``compile`` (the default on CUDA): the slot decoders' layers and code2wav's
+    chunked DiT through ``torch.compile`` (on CUDA the compiled code is then captured as graphs)."""
+    pipeline = serve_pipeline(
+        MODEL, f"tiny://{MODEL}", device="cpu", engine_args={"batching": True, "max_batch_size": 4, "compile": True}
+    )
+    async with served_in_process(pipeline, model_cache, http_timeout=300) as served:
+        yield served
+
+
+# Inductor's CPU code generation imports a torch.jit helper that warns about itself (torch 2.13).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+async def test_compiled_stages_give_the_whole_models_text_and_chunks_within_the_chunking_tolerance(
+    compiled: Served, whole_omni: Qwen25Whole
+) -> None:
+    from torch._dynamo.utils import counters
+
+    resp = await compiled.http.post("/v1/chat/completions", json={**body(""), "messages": USER})
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    text, wav = whole_omni.generate(USER, speaker="Chelsie", max_tokens=24, seed=5)
+    assert message["content"] == text
+    assert close_pcm(pcm(message), wav_samples(wav).astype(np.int32))  # the whole path's DiT is the model's own
+    # The slot decoders ran compiled (the engines' warm-up compiled them).
+    assert all(compiled.engine(name)._slots.decoder.compiled for name in ("thinker", "talker"))
+
+    graphs = counters["stats"]["unique_graphs"]
+    engine = compiled.engine("code2wav")
+    codes = np.arange(100) % 64
+    pieces = await chunked_code2wav(engine, codes, seed=7, request_id="compiled-chunks")
+    single = code2wav_one_pass(engine, codes, seed=7)
+    got = np.concatenate(pieces)
+    assert got.shape == single.shape
+    assert float(np.abs(got - single).max()) < CHUNKED_TOLERANCE
+    assert counters["stats"]["unique_graphs"] > graphs  # the chunks' DiT compiled (the whole path's is not)

@@ -219,3 +219,32 @@ async def test_a_request_whose_forward_pass_fails_fails_alone_in_its_batch(
     )
     assert "index out of range" in err.message
     assert [first, *rest] == alone
+
+
+# Inductor's CPU code generation imports a torch.jit helper that warns about itself (torch 2.13).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+async def test_a_compiled_static_decode_writes_what_the_eager_one_writes(tiny_text: Path) -> None:
+    """``decode_compile`` (the default on CUDA, where the compiled layers are then captured as graphs): the
+    same greedy text alone and in a batch, and one set of compiled graphs shared by every layer."""
+    from torch._dynamo.utils import counters
+
+    async def texts(eng: Engine) -> tuple[list[str], list[str]]:
+        alone = [(await run(eng, p, max_tokens=12, temperature=0.0))[0] for p in PROMPTS]
+        together = await asyncio.gather(*(run(eng, p, max_tokens=12, temperature=0.0) for p in PROMPTS))
+        return alone, [t for t, _, _ in together]
+
+    results = []
+    graphs = counters["stats"]["unique_graphs"]
+    for compiled in (False, True):
+        eng = _engine(tiny_text, RecordingMetrics(), decode="static", decode_compile=compiled)
+        await eng.start()
+        try:
+            results.append(await texts(eng))
+        finally:
+            await eng.stop()
+    made = counters["stats"]["unique_graphs"] - graphs
+    assert results[1] == results[0]
+    assert all(results[0][0])
+    # Two compiled functions (before and after the cache write), each once for a single row and once
+    # shape-generic: not one per layer or per step shape.
+    assert 2 <= made <= 4, made

@@ -88,6 +88,8 @@ TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "s
 # window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
 # cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
 # audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
+# Graphs dynamo may keep for the compiled DiT (window lengths x rows at worst, before it goes shape-generic).
+RECOMPILE_LIMIT = 64
 CHUNK_DEFAULTS: dict[str, int] = {
     "first_chunk_blocks": 2,
     "chunk_blocks": 2,
@@ -109,10 +111,12 @@ def sample_mel(
     guidance_scale: float = 0.5,
     sway_coefficient: float | None = -1.0,
     check: Any = None,
+    forward: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``Qwen2_5OmniToken2WavDiTModel.sample()`` starting from ``noise`` (1, 2·codes, mel_dim) instead of
     drawing it from the global generator; returns mel (1, mel_dim, frames). ``check`` runs before every
-    DiT evaluation (cancellation)."""
+    DiT evaluation (cancellation); ``forward`` replaces the DiT's own call (a compiled one)."""
+    call = dit if forward is None else forward
     frames = noise.shape[1]
     if frames > dit.config.max_position_embeddings:
         raise StageError(
@@ -124,7 +128,7 @@ def sample_mel(
         if check is not None:
             check()
         if guidance_scale < 1e-5:
-            out: torch.Tensor = dit(
+            out: torch.Tensor = call(
                 hidden_states=hidden_states,
                 speaker_embedding=cond,
                 condition_vector=ref_mel,
@@ -135,7 +139,7 @@ def sample_mel(
                 apply_cfg=False,
             )
             return out
-        output = dit(
+        output = call(
             hidden_states=hidden_states,
             quantized_code=codes,
             speaker_embedding=cond,
@@ -559,6 +563,13 @@ class _MelRunner:
         self.shapes: set[int] = set()  # window lengths (codes) that run as graphs
         self._graphs: dict[tuple[int, int, int], tuple[Any, Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
+        # Chunked windows only: the whole path stays the model's own eager DiT (its reference waveform).
+        self._forward: Callable[..., torch.Tensor] | None = None
+        if engine.compiled:
+            # One compile for the first window shape, then shape-generic graphs once the rows or the window
+            # length change (a graph per shape would be ~20 compiles at start).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self._forward = torch.compile(engine.model.code2wav_dit_model.forward, dynamic=None)
 
     def run(self, items: list[tuple[OmniJob, _Window]]) -> list[torch.Tensor]:
         """Each window's mel (mel_dim, frames), in order."""
@@ -585,7 +596,13 @@ class _MelRunner:
         engine = self.engine
         dit = engine.model.code2wav_dit_model
         out: torch.Tensor = sample_mel(
-            dit, inputs["cond"], inputs["ref"], inputs["codes"], inputs["noise"], **engine._options
+            dit,
+            inputs["cond"],
+            inputs["ref"],
+            inputs["codes"],
+            inputs["noise"],
+            forward=self._forward,
+            **engine._options,
         )
         return out
 
@@ -617,11 +634,20 @@ class _MelRunner:
             for length in sorted(self.shapes):
                 for rows in self.rows:
                     self._graph(rows, length, ref)
-        except Exception:  # still serves, eagerly
-            log.exception("CUDA graph capture of the DiT failed; running it eagerly")
-            self.graphs = False
+        except Exception:
             self._graphs.clear()
+            if self._forward is not None:  # compilation is the likelier culprit: capture without it
+                log.exception("The compiled DiT failed; capturing it uncompiled")
+                self._forward = None
+                self.capture_all(ref)
+                return
+            log.exception("CUDA graph capture of the DiT failed; running it eagerly")  # still serves
+            self.graphs = False
             return
         log.info(
-            "Captured %d DiT graphs (windows %s codes, rows %s)", len(self._graphs), sorted(self.shapes), self.rows
+            "Captured %d DiT graphs (windows %s codes, rows %s, %s)",
+            len(self._graphs),
+            sorted(self.shapes),
+            self.rows,
+            "compiled" if self._forward is not None else "eager kernels",
         )

@@ -117,6 +117,8 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         self.dtype = torch_dtype(self.args.get("dtype"), self.device)
         self.batched = batching_default(self.args, self.device)
         self.graphs = torch.device(self.device).type == "cuda" and flag(self.args, "cuda_graphs", default=True)
+        # torch.compile before the graphs are captured (the slot decoders' layers, code2wav's DiT blocks).
+        self.compiled = flag(self.args, "compile", default=self.graphs)
         self.max_batch = int(self.args.get("max_batch_size", 8))
         self._current: OmniJob | None = None  # the job the worker is running (one at a time)
         self._active: list[OmniJob] = []  # the jobs the worker is running (batched)

@@ -243,7 +243,12 @@ class OmniTalkerEngine(OmniEngine):
             return
         capacity = int(self.args.get("slot_capacity", 8192))
         decoder = SlotDecoder(
-            self.model.model, self.model.codec_head, slots=self.max_batch, capacity=capacity, graphs=self.graphs
+            self.model.model,
+            self.model.codec_head,
+            slots=self.max_batch,
+            capacity=capacity,
+            graphs=self.graphs,
+            compiled=self.compiled,
         )
         decoder.capture_all()
         self._slots = SlotTable(decoder)

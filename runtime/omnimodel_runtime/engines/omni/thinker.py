@@ -199,7 +199,12 @@ class OmniThinkerEngine(OmniEngine):
         # Every request must fit a slot: the context limit becomes the slot capacity.
         self._max_model_len = min(self._max_model_len, int(self.args.get("slot_capacity", 4096)))
         decoder = SlotDecoder(
-            self.model.model, self.model.lm_head, slots=self.max_batch, capacity=self._max_model_len, graphs=self.graphs
+            self.model.model,
+            self.model.lm_head,
+            slots=self.max_batch,
+            capacity=self._max_model_len,
+            graphs=self.graphs,
+            compiled=self.compiled,
         )
         decoder.capture_all()
         self._slots = SlotTable(decoder)

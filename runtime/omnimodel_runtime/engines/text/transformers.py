@@ -22,7 +22,8 @@ arrives later, and N concurrent requests cost roughly one forward pass per step 
 request's prompt is prefilled by the model as usual (new requests together, left-padded), its cache is
 copied into a slot of :class:`~omnimodel_runtime.engines.slots.SlotDecoder`, and every decode step runs
 over the slots as one captured CUDA graph (captured at start for every batch and length bucket), so a
-step costs one launch instead of ~10 µs per eager op. ``dynamic`` (the default elsewhere) is the loop above.
+step costs one launch instead of ~10 µs per eager op; ``decode_compile`` (default: on CUDA) compiles the
+step's layers with ``torch.compile`` before the capture. ``dynamic`` (the default elsewhere) is the loop above.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
             raise ValueError(f"engine_args.decode must be static or dynamic, not {decode!r}")
         self._static = decode == "static"
         self._graphs = str(args.get("cuda_graphs", True)).lower() not in ("0", "false", "no", "off")
+        # The slot step's layers compiled before capture (slots.py), by default where graphs are captured.
+        on_cuda = torch.device(self._device).type == "cuda"
+        self._compiled = str(args.get("decode_compile", on_cuda)).lower() not in ("0", "false", "no", "off")
         self._capacity = int(args.get("slot_capacity", 4096))
         self._slots: SlotTable | None = None
         self._model: Any = None
@@ -186,6 +190,7 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
                 slots=self._max_batch,
                 capacity=self._max_model_len,
                 graphs=self._graphs,
+                compiled=self._compiled,
             )
             decoder.capture_all()
             self._slots = SlotTable(decoder)
