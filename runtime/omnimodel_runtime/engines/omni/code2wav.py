@@ -34,9 +34,11 @@ too, exact in chunks).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +90,7 @@ TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "s
 # window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
 # cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
 # audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
-# Graphs dynamo may keep for the compiled DiT (window lengths x rows at worst, before it goes shape-generic).
+# Graphs dynamo may keep for the compiled DiT block (window lengths x rows at worst, before it goes generic).
 RECOMPILE_LIMIT = 64
 CHUNK_DEFAULTS: dict[str, int] = {
     "first_chunk_blocks": 2,
@@ -111,12 +113,10 @@ def sample_mel(
     guidance_scale: float = 0.5,
     sway_coefficient: float | None = -1.0,
     check: Any = None,
-    forward: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``Qwen2_5OmniToken2WavDiTModel.sample()`` starting from ``noise`` (1, 2·codes, mel_dim) instead of
     drawing it from the global generator; returns mel (1, mel_dim, frames). ``check`` runs before every
-    DiT evaluation (cancellation); ``forward`` replaces the DiT's own call (a compiled one)."""
-    call = dit if forward is None else forward
+    DiT evaluation (cancellation)."""
     frames = noise.shape[1]
     if frames > dit.config.max_position_embeddings:
         raise StageError(
@@ -128,7 +128,7 @@ def sample_mel(
         if check is not None:
             check()
         if guidance_scale < 1e-5:
-            out: torch.Tensor = call(
+            out: torch.Tensor = dit(
                 hidden_states=hidden_states,
                 speaker_embedding=cond,
                 condition_vector=ref_mel,
@@ -139,7 +139,7 @@ def sample_mel(
                 apply_cfg=False,
             )
             return out
-        output = call(
+        output = dit(
             hidden_states=hidden_states,
             quantized_code=codes,
             speaker_embedding=cond,
@@ -550,6 +550,33 @@ class _Chunked:
             self.mel, self.mel_start = self.mel[:, :, drop:], self.mel_start + drop
 
 
+class _CompiledBlocks:
+    """The DiT's transformer blocks, each with a compiled forward (``torch.compile``) used only inside :meth:`on`
+    (the chunked windows): elsewhere (the whole path) a block runs its own eager forward. The blocks share
+    their code, so dynamo compiles it once for all of them (then once shape-generic, when a window's
+    length or rows change), not once per block."""
+
+    def __init__(self, dit: Any) -> None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self._active = threading.local()
+        for block in dit.transformer_blocks:
+            block.forward = self._dispatch(block.forward, torch.compile(block.forward, fullgraph=True, dynamic=None))
+
+    def _dispatch(self, eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return (compiled if getattr(self._active, "on", False) else eager)(*args, **kwargs)
+
+        return forward
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        self._active.on = True
+        try:
+            yield
+        finally:
+            self._active.on = False
+
+
 class _MelRunner:
     """Batched DiT windows: one :func:`sample_mel` over several requests' windows of one length; on CUDA
     the usual window shapes run as captured graphs (rows rounded up to a power of two, padded with copies
@@ -564,12 +591,7 @@ class _MelRunner:
         self._graphs: dict[tuple[int, int, int], tuple[Any, Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
         # Chunked windows only: the whole path stays the model's own eager DiT (its reference waveform).
-        self._forward: Callable[..., torch.Tensor] | None = None
-        if engine.compiled:
-            # One compile for the first window shape, then shape-generic graphs once the rows or the window
-            # length change (a graph per shape would be ~20 compiles at start).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            self._forward = torch.compile(engine.model.code2wav_dit_model.forward, dynamic=None)
+        self._compiled = _CompiledBlocks(engine.model.code2wav_dit_model) if engine.compiled else None
 
     def run(self, items: list[tuple[OmniJob, _Window]]) -> list[torch.Tensor]:
         """Each window's mel (mel_dim, frames), in order."""
@@ -595,15 +617,10 @@ class _MelRunner:
     def _sample(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         engine = self.engine
         dit = engine.model.code2wav_dit_model
-        out: torch.Tensor = sample_mel(
-            dit,
-            inputs["cond"],
-            inputs["ref"],
-            inputs["codes"],
-            inputs["noise"],
-            forward=self._forward,
-            **engine._options,
-        )
+        with self._compiled.on() if self._compiled is not None else contextlib.nullcontext():
+            out: torch.Tensor = sample_mel(
+                dit, inputs["cond"], inputs["ref"], inputs["codes"], inputs["noise"], **engine._options
+            )
         return out
 
     def _graph(self, rows: int, length: int, ref: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
@@ -636,9 +653,9 @@ class _MelRunner:
                     self._graph(rows, length, ref)
         except Exception:
             self._graphs.clear()
-            if self._forward is not None:  # compilation is the likelier culprit: capture without it
+            if self._compiled is not None:  # compilation is the likelier culprit: capture without it
                 log.exception("The compiled DiT failed; capturing it uncompiled")
-                self._forward = None
+                self._compiled = None
                 self.capture_all(ref)
                 return
             log.exception("CUDA graph capture of the DiT failed; running it eagerly")  # still serves
@@ -649,5 +666,5 @@ class _MelRunner:
             len(self._graphs),
             sorted(self.shapes),
             self.rows,
-            "compiled" if self._forward is not None else "eager kernels",
+            "compiled blocks" if self._compiled is not None else "eager kernels",
         )
