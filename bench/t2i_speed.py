@@ -219,7 +219,9 @@ def main() -> None:
             pipe.transformer.disable_cache()
         if engine_args.get("attention"):  # the next group picks its own kernel again
             pipe.transformer.set_attention_backend("native")
-        for block in pipe.transformer.modules():  # compile: regional set the blocks' own forward; undo it
+        for block in pipe.transformer.modules():  # undo compile: regional (module call or the blocks' forward)
+            if getattr(block, "_compiled_call_impl", None) is not None:
+                block._compiled_call_impl = None
             if "forward" in vars(block) and hasattr(block.forward, "_torchdynamo_orig_callable"):
                 del block.forward
     print(json.dumps(report, indent=2))

@@ -34,8 +34,8 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   repeated transformer blocks, so a predicted step runs none of them. A fixed schedule, so it skips the
   same work whatever the weights, at a quality cost the benchmark states (pixel difference from the exact
   path on the same seed). With ``compile: regional`` it needs ``cache_scope: blocks``: the compiled code is
-  the blocks' own forward, which the cache hooks then wrap (a hook inside a compiled block would break
-  its graph).
+  then the blocks' own forward, which the cache hooks wrap (a hook inside a compiled block would break
+  its graph); without a cache, ``compile: regional`` compiles the blocks' module call.
   ``cache: first_block`` (``cache_threshold``, default 0.08) is diffusers' First-Block Cache instead:
   it skips the remaining blocks of a step whose first block's output barely changed (adaptive; with
   random weights it rarely triggers).
@@ -329,18 +329,21 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         if attention not in (None, "", "native"):
             transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
         block_cache = cache == "taylorseer" and scope == "blocks"
-        blocks = repeated_blocks(transformer) if compiled or block_cache else []
+        blocks = repeated_blocks(transformer) if block_cache else []
         if compiled:
             # Shapes vary by request: the prompt's token count, the batch, the image size. dynamic=None lets
             # dynamo compile a shape-generic graph when a dimension changes (a second prompt length, say)
             # instead of one graph per shape; with dynamic=False every new prompt length cost a compile and
             # the ninth failed the request (fullgraph: FailOnRecompileLimitHit, seen on the H200).
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            # The block's own forward, not the module call (diffusers' compile_repeated_blocks): cache hooks
-            # installed below replace ``forward`` and call this compiled one on the steps they compute. The
-            # blocks share one code object, so dynamo compiles it once for all of them.
-            for _, block in blocks:
-                block.forward = torch.compile(block.forward, fullgraph=True, dynamic=None)
+            if block_cache:
+                # The block's own forward, not the module call: the cache hooks installed below replace
+                # ``forward`` and call this compiled one on the steps they compute. The blocks share one
+                # code object, so dynamo compiles it once for all of them.
+                for _, block in blocks:
+                    block.forward = torch.compile(block.forward, fullgraph=True, dynamic=None)
+            else:
+                transformer.compile_repeated_blocks(fullgraph=True, dynamic=None)
         if cache not in (None, "", "none"):
             import diffusers  # noqa: PLC0415
 
