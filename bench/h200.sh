@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (t2i-parts: where a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (omni-parts / t2i-parts: where a stream's / a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,10 @@ for section in "$@"; do
         --omni-prompts 2 --omni-concurrency 1,4 --omni-requests 4 --hf-baseline 1 --start-timeout 600 \
         --omni-deployments "${OMNI_DEPLOYMENTS:-in_process,three_processes}" \
         --out "$OUT/omni-qwen2.5-omni-7b-h200.json" >/dev/null || status=1
+      ;;
+    omni-parts)
+      [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
+      python3 bench/omni_parts.py --model /dev/shm/omni7b --out "$OUT/omni-parts-qwen2.5-omni-7b-h200.json" || status=1
       ;;
     text)
       [ -d /dev/shm/q7b ] || { time om make-tiny --preset text --size qwen2.5-7b --device cuda --out /dev/shm/q7b || exit 1; }
