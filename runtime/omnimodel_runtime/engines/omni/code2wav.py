@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
+# Graphs dynamo may keep for the compiled DiT block (window lengths x rows at worst, before it goes generic).
+RECOMPILE_LIMIT = 64
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
 # chunks of 2 blocks (vLLM-Omni's geometry; the first may be set apart with ``first_chunk_blocks``: 1 block
 # leaves nothing to vocode until the second chunk, whose audio needs the vocoder's right context), each
@@ -90,8 +92,6 @@ TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "s
 # window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
 # cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
 # audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
-# Graphs dynamo may keep for the compiled DiT block (window lengths x rows at worst, before it goes generic).
-RECOMPILE_LIMIT = 64
 CHUNK_DEFAULTS: dict[str, int] = {
     "first_chunk_blocks": 2,
     "chunk_blocks": 2,
