@@ -86,29 +86,17 @@ def main() -> None:
     results = report["results"]
 
     with torch.inference_mode():
-        thinker = load_part(
-            Qwen2_5OmniThinkerForConditionalGeneration,
-            args.model,
-            config.thinker_config,
-            dtype=torch.bfloat16,
-            device=DEVICE,
+        parts = (
+            ("thinker", Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, "lm_head", 300),
+            ("talker", Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config, "codec_head", 400),
         )
-        for rows in (1, 4):
-            results[f"thinker_step_rows{rows}"] = decode_steps(thinker.model, thinker.lm_head, args.runs, rows, 300)
-            print(f"thinker rows {rows}", results[f"thinker_step_rows{rows}"], flush=True)
-        del thinker
-        talker = load_part(
-            Qwen2_5OmniTalkerForConditionalGeneration,
-            args.model,
-            config.talker_config,
-            dtype=torch.bfloat16,
-            device=DEVICE,
-        )
-        for rows in (1, 4):
-            results[f"talker_step_rows{rows}"] = decode_steps(talker.model, talker.codec_head, args.runs, rows, 400)
-            print(f"talker rows {rows}", results[f"talker_step_rows{rows}"], flush=True)
-        del talker
-
+        for name, cls, sub_config, head, length in parts:  # one part in memory at a time
+            part = load_part(cls, args.model, sub_config, dtype=torch.bfloat16, device=DEVICE)
+            for rows in (1, 4):
+                key = f"{name}_step_rows{rows}"
+                results[key] = decode_steps(part.model, getattr(part, head), args.runs, rows, length)
+                print(f"{name} rows {rows}", results[key], flush=True)
+            del part
         model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config)
         load_prefixed(model, args.model, "token2wav.")
         model = model.float().to(DEVICE).eval()

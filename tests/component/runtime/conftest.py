@@ -55,6 +55,7 @@ tiny_qwen3 = _tiny("qwen3-omni")
 tiny_t2i = _tiny("text-to-image")
 tiny_edit = _tiny("qwen-image-edit")
 tiny_tts = _tiny("tts")
+tiny_t2v = _tiny("text-to-video")
 
 
 @pytest.fixture(scope="session")

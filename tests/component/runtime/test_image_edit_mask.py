@@ -29,6 +29,7 @@ import pytest_asyncio
 import torch
 from PIL import Image
 from prometheus_client import CollectorRegistry
+from runtime_procs import torch_threads
 
 from omnimodel_runtime.engines.base import EngineContext, NullMetrics
 from omnimodel_runtime.engines.registry import create_engine
@@ -79,19 +80,11 @@ def masks(*, edit: bool = True) -> tuple[bytes, Image.Image]:
     return png(rgba), Image.fromarray(repaint, mode="L")
 
 
-@pytest.fixture(scope="module")
-def tiny_edit(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("qwen-image-edit", model_cache)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(before)
+def few_threads() -> Iterator[None]:
+    """Two intra-op threads at most: the box is shared, and tiny models gain nothing from more."""
+    with torch_threads(min(2, os.cpu_count() or 1)):
+        yield
 
 
 class Batches(NullMetrics):

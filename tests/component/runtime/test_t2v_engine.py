@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from runtime_procs import torch_threads
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
@@ -47,20 +48,11 @@ STEPS = 4
 PROMPT = "a red fox running through the snow, camera pans"
 
 
-@pytest.fixture(scope="module")
-def tiny_t2v(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("text-to-video", model_cache)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[None]:
+def few_threads() -> Iterator[None]:
     """Two intra-op threads at most: the box is shared, and tiny models gain nothing from more."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(min(2, os.cpu_count() or 1)):
+        yield
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -36,13 +36,6 @@ MODEL = "text-to-video"
 BUDGET = 5.0
 
 
-@pytest.fixture(scope="module")
-def tiny_t2v(model_cache: Path) -> Path:
-    from omnimodel_runtime.tiny import ensure_tiny
-
-    return ensure_tiny("text-to-video", model_cache)
-
-
 def finished(client: openai.OpenAI, video_id: str, timeout: float = 60.0) -> Video:
     """Poll the job until it is completed or failed (failing the test after ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
