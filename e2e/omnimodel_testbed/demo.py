@@ -626,6 +626,9 @@ class _Inside:
 
         self.reporter.status = "the operator creates each stage's Deployment; the scheduler places the pods"
         self.poll("both OmniModels Ready=True", all_ready, timeout=180, interval=1.0)
+        # The listing above was taken before the Ready check that passed, so it can still show a pod
+        # Pending; list once more so the last listing a user reads is the one that matches Ready=True.
+        show_if_changed("pods", self._pods_args(), strip_age=False)
         self.reporter.say(
             "Ready: every stage Deployment is available (kwok reports the pods ready at once). "
             "Now the gateways' /health, which stays 503 until every stage pod has loaded its model:"
