@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (omni-parts / t2i-parts: where a stream's / a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts: where a stream's / a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,15 @@ for section in "$@"; do
     omni-parts)
       [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
       python3 bench/omni_parts.py --model /dev/shm/omni7b --out "$OUT/omni-parts-qwen2.5-omni-7b-h200.json" || status=1
+      ;;
+    omni-timeline)
+      [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
+      # OMNI_TIMELINE_VARIANTS: name=flags pairs, e.g. "py5ms=--switch-interval,0.005 chunk4=--engine-arg,chunk_blocks=4"
+      for variant in ${OMNI_TIMELINE_VARIANTS:-defaults=}; do
+        name=${variant%%=*}; flags=${variant#*=}
+        python3 bench/omni_timeline.py --model /dev/shm/omni7b ${flags//,/ } \
+          --out "$OUT/omni-timeline-$name-h200.json" >/dev/null || status=1
+      done
       ;;
     text)
       [ -d /dev/shm/q7b ] || { time om make-tiny --preset text --size qwen2.5-7b --device cuda --out /dev/shm/q7b || exit 1; }

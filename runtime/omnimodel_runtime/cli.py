@@ -204,6 +204,7 @@ def run_app(app: FastAPI, settings: RuntimeSettings) -> int:
 
     from omnimodel_runtime.web.startup import Startup
 
+    sys.setswitchinterval(settings.gil_switch_interval)  # see RuntimeSettings.gil_switch_interval
     # Bound before anything starts, so a port in use is one line and no engine loads for nothing.
     try:
         sock = _listen(settings.host, settings.port)

@@ -154,6 +154,58 @@ async def test_chunks_of_several_streams_in_one_dit_pass_match_one_pass_over_the
         assert float(np.abs(got - single).max()) < CHUNKED_TOLERANCE
 
 
+async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bigvgan_does(serve: Served) -> None:
+    """On CUDA the chunk vocoder replays graphs captured at start for the mel lengths a stream's chunks
+    have (``ChunkPlan.vocoder_frames``); a length it did not foresee runs eagerly, correct but slow, so
+    every chunk but a stream's last must have one of them. And its forward is BigVGAN's, bit for bit."""
+    import torch
+
+    engine = serve.engine("code2wav")
+    vocoder = engine._vocoder
+    lengths: list[int] = []
+
+    def recording(mel: torch.Tensor) -> torch.Tensor:
+        lengths.append(int(mel.shape[2]))
+        return vocoder.forward(mel)
+
+    codes = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(1)).numpy()
+    engine._vocoder = recording
+    try:
+        await chunked_code2wav(engine, codes, seed=3, request_id="vocoder-lengths")
+    finally:
+        engine._vocoder = vocoder
+    expected = engine._plan.vocoder_frames(int(engine.model.code2wav_dit_model.repeats))
+    assert len(lengths) >= 3
+    assert set(lengths[:-1]) <= expected, (lengths, expected)
+    mel = torch.randn(
+        (1, int(engine.model.code2wav_dit_model.mel_dim), lengths[0]), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.inference_mode():
+        assert torch.equal(vocoder.forward(mel), engine.model.code2wav_bigvgan_model(mel).reshape(-1))
+
+
+async def test_a_long_stream_s_dit_windows_all_have_captured_lengths(serve: Served) -> None:
+    """Every DiT window of a stream, its last one too (widened to the left), has one of the lengths that
+    run as graphs on CUDA (``ChunkPlan.windows``): an unforeseen length runs eagerly, several times slower."""
+    engine = serve.engine("code2wav")
+    mels = engine._mels
+    lengths: list[int] = []
+    run = mels.run
+
+    def recording(items: list[Any]) -> Any:
+        lengths.extend(int(window.codes.shape[0]) for _, window in items)
+        return run(items)
+
+    codes = np.random.default_rng(4).integers(0, 64, 301)
+    mels.run = recording
+    try:
+        await chunked_code2wav(engine, codes, seed=3, request_id="window-lengths")
+    finally:
+        del mels.run
+    assert len(lengths) >= 3
+    assert set(lengths) <= engine._plan.windows(), lengths
+
+
 async def test_a_client_going_away_frees_every_stage(serve: Served) -> None:
     """A real TCP client hangs up after the first text delta of a long answer: every stage drops the
     request (its slot, its chunks) long before the thousands of thinker steps it asked for."""

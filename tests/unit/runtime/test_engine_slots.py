@@ -58,6 +58,9 @@ def test_chunk_geometry_of_the_released_dit() -> None:
     assert plan.sizes == (24, 48, 96)  # a stream that is behind doubles its chunk up to 8 blocks
     # First window, second (left context = the first chunk), steady ones.
     assert plan.windows() == {36, 60, 84, 132}
+    # The vocoder's mel (2 frames a code, 24 frames of context): the first chunk's, then chunk + context.
+    assert plan.vocoder_frames(2) == {48, 96, 144, 240}
     small = ChunkPlan.from_args(dit, {"max_chunk_blocks": 2, "first_chunk_blocks": 1})
     assert small.sizes == (24,)
     assert small.windows() == {24, 48, 60}
+    assert small.vocoder_frames(2) == {72, 96}  # a 1-block first chunk is all right context: nothing to vocode

@@ -23,7 +23,10 @@ Batched serving (``engine_args.batching``, on by default on accelerators) runs t
 streamed requests that are ready at the same time, with windows of the same length, as one DiT pass
 (batch rows are independent: each row's result is its own, up to the rounding of a larger matrix
 product). The window shapes every steady stream uses (the first window, then left context + chunk +
-look-ahead) are captured at start; others (a stream's last window) run eagerly.
+look-ahead) are captured at start, and so are BigVGAN's steady chunk shapes; a stream's last window
+widens its left context to one of those lengths where it has the codes (else it runs eagerly, as do
+time-stretched speech chunks). First windows run before the others, and wait a moment for a stream a
+code or two short of its own (``_gathering``), so that streams starting together share one pass.
 
 Speech requests (``/v1/audio/speech``) have no whole-model waveform to reproduce, so both paths draw the
 noise from the position-consistent sequence (:class:`PagedNoise`): the whole file and the stream then
@@ -38,7 +41,8 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +82,12 @@ log = logging.getLogger(__name__)
 
 # The whole model's token2wav defaults.
 TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
+# First windows wait this long at most for another stream's first window that lacks at most GATHER_CODES
+# codes (see OmniCode2WavEngine._gathering).
+GATHER_S = 0.015
+GATHER_CODES = 2
+# BigVGAN's floor for its input, in dB (``process_mel_spectrogram``).
+MIN_DB = -115
 # Graphs dynamo may keep for the compiled DiT block (window lengths x rows at worst, before it goes generic).
 RECOMPILE_LIMIT = 64
 # Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
@@ -222,6 +232,18 @@ class ChunkPlan:
             sizes=tuple(sizes),
         )
 
+    def vocoder_frames(self, repeats: int) -> set[int]:
+        """Mel lengths (frames) BigVGAN gets for a stream's chunks away from its end, at ``repeats`` mel
+        frames a code (time-stretched speech aside): the first chunk's mel (when it leaves more than the
+        right context), the second's (behind the first's unvoiced tail), then the steady ones (context on
+        both sides of the chunk)."""
+        first, ctx = (self.first or self.chunk) * repeats, self.vocoder_context
+        out = {first} if first > ctx else set()
+        for size in self.sizes or (self.chunk,):
+            out.add(size * repeats + min(first, 2 * ctx))
+            out.add(size * repeats + 2 * ctx)
+        return out
+
     def windows(self) -> set[int]:
         """Window lengths (codes) of a stream's chunks away from its end: the first, the second (whose left
         context is the first chunk only), then the steady ones."""
@@ -244,6 +266,8 @@ class OmniCode2WavEngine(OmniEngine):
         self._plan: ChunkPlan | None = None
         self._hop = 240
         self._mels: _MelRunner | None = None
+        self._vocoder: _Vocoder | None = None  # chunked path
+        self._gather_from: float | None = None  # when first windows began waiting for a straggler
 
     @property
     def speakers(self) -> Speakers:
@@ -262,6 +286,7 @@ class OmniCode2WavEngine(OmniEngine):
         self._options.update(generation_overrides(model_dir, "token2wav", self.args))
         self._plan = ChunkPlan.from_args(config.token2wav_config.dit_config, self.args)
         self._hop = int(np.prod(config.token2wav_config.bigvgan_config.upsample_rates))
+        self._vocoder = _Vocoder(self.model.code2wav_bigvgan_model, self.device)
         if self.batched:
             self._load_batched()
 
@@ -276,6 +301,12 @@ class OmniCode2WavEngine(OmniEngine):
         self._mels.shapes = plan.windows()
         default = self.speakers[self.speakers.default]
         self._mels.capture_all(int(default["ref_mel"].shape[1]))
+        if self.graphs:
+            dit = self.model.code2wav_dit_model
+            self._vocoder = _Vocoder(
+                self.model.code2wav_bigvgan_model, self.device, lengths=plan.vocoder_frames(int(dit.repeats))
+            )
+            self._vocoder.capture_all(int(dit.mel_dim), self.device)
 
     async def warmup(self) -> None:
         codes = tensor_frame(CODES_KIND, {"codes": np.zeros(2, dtype=np.int64)})
@@ -419,12 +450,16 @@ class OmniCode2WavEngine(OmniEngine):
             except Exception as err:  # this request's input failed, not the batch
                 self.fail(job, err)
                 finished.append(job)
+        if self._gathering(ready, jobs):
+            return finished, moved
         groups: dict[tuple[int, int], list[tuple[_Chunked, _Window]]] = {}
         for state, window in ready:
             key = (int(window.codes.shape[0]), int(state.job.data["ref_mel"].shape[1]))
             groups.setdefault(key, []).append((state, window))
         assert self._mels is not None
-        for group in groups.values():
+        # First windows go first: a stream's first audio waits for nothing else, while the streams already
+        # playing have audio in hand (with four streams, a first window used to wait behind three passes).
+        for group in sorted(groups.values(), key=lambda g: not any(w.start == 0 for _, w in g)):
             for start in range(0, len(group), self._mels.max_rows):
                 part = group[start : start + self._mels.max_rows]
                 moved = True
@@ -437,6 +472,32 @@ class OmniCode2WavEngine(OmniEngine):
                         self.fail(state.job, err)
                         finished.append(state.job)
         return finished, moved
+
+    def _gathering(self, ready: list[tuple[_Chunked, _Window]], jobs: list[OmniJob]) -> bool:
+        """Whether to hold this round's first windows a moment (up to ``GATHER_S``) for another stream whose
+        first window lacks a code or two: streams that start together reach their first window a talker
+        step or two apart (a row joins the talker's batch when its prefill is done), and one DiT pass
+        serves them all for about the cost of one, where the stream that just missed it would wait for a
+        whole pass (~0.15 s on an H200) before its own."""
+        assert self._plan is not None
+        need = (self._plan.first or self._plan.chunk) + self._plan.lookahead
+        close = any(
+            isinstance(job.state, _Chunked)
+            and job.state.chunk_start == 0
+            and not job.state.ended
+            and 0 < need - len(job.state.codes) <= GATHER_CODES
+            for job in jobs
+        )
+        if not close or not any(window.start == 0 for _, window in ready):
+            self._gather_from = None
+            return False
+        now = time.monotonic()
+        if self._gather_from is None:
+            self._gather_from = now
+        if now - self._gather_from < GATHER_S:
+            return True
+        self._gather_from = None
+        return False
 
     def _emit_audio(self, job: OmniJob, waveform: torch.Tensor) -> None:
         samples = waveform.detach().reshape(-1).float().to("cpu").numpy()
@@ -520,6 +581,13 @@ class _Chunked:
             size = fitting[-1]
         end = min(start + size, len(codes))
         lo, hi = max(0, start - plan.left), min(len(codes), end + plan.lookahead)
+        if self.ended and hi == len(codes):
+            # A stream's last window has a length of its own, which would run eagerly (0.6-0.8 s on an H200
+            # against ~0.1 s for a captured pass): widen its left context to the next captured length when
+            # there are codes for it. More left context only brings the chunk closer to one pass over all.
+            wider = [n for n in plan.windows() if hi - lo <= n <= hi]
+            if wider:
+                lo = hi - min(wider)
         device = self.engine.device
         window = torch.tensor(codes[lo:hi], dtype=torch.long, device=device)
         noise = self.noise.frames(lo * self.repeats, hi * self.repeats)[0]
@@ -540,8 +608,8 @@ class _Chunked:
         if ready > self.voiced:
             lo_m = max(self.mel_start, self.voiced - plan.vocoder_context)
             hi_m = min(total, ready + plan.vocoder_context)
-            vocoder = engine.model.code2wav_bigvgan_model
-            audio = vocoder(self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start]).reshape(-1)
+            assert engine._vocoder is not None
+            audio = engine._vocoder(self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start])
             skip = (self.voiced - lo_m) * engine._hop
             engine._emit_audio(self.job, audio[skip : skip + (ready - self.voiced) * engine._hop])
             self.voiced = ready
@@ -575,6 +643,66 @@ class _CompiledBlocks:
             yield
         finally:
             self._active.on = False
+
+
+class _Vocoder:
+    """BigVGAN on a chunk's mel, leaving the waveform on the device: the model's own forward without its
+    last step (a copy to the host, which a CUDA graph cannot hold and the caller makes anyway). With
+    ``lengths`` (CUDA) those mel lengths replay as captured graphs: eagerly the vocoder is ~1000 small
+    kernels a chunk, launched one by one (32 ms on an H200 for the first chunk)."""
+
+    def __init__(self, model: Any, device: str, *, lengths: Iterable[int] = ()) -> None:
+        self.model = model
+        self.lengths = set(lengths)
+        self._graphs: dict[int, tuple[Any, Any, torch.Tensor]] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if self.lengths else None
+        # amplitude_to_db's floor, the same float32 value the model computes per call; made here because a
+        # capture cannot copy a host scalar to the device.
+        self._floor = torch.exp(torch.tensor(MIN_DB / 20.0 * np.log(10), device=device, dtype=torch.float32))
+
+    def __call__(self, mel: torch.Tensor) -> torch.Tensor:
+        """The waveform (samples,) of mel (1, mel_dim, frames), as ``model(mel)`` computes it."""
+        frames = int(mel.shape[2])
+        if frames not in self.lengths:
+            return self.forward(mel)
+        graph, out, static = self._graph(frames, mel)
+        static.copy_(mel)
+        graph.replay()
+        waveform: torch.Tensor = out.clone()  # the next replay rewrites out
+        return waveform
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        # process_mel_spectrogram, with the floor as a tensor (same op, same value).
+        db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self._floor)) - 20
+        hidden = m.conv_pre(m.normalize_spectrogram(db, 1, MIN_DB))
+        for layer in range(m.num_upsample_layers):
+            hidden = m.ups[layer][0](hidden)
+            blocks = range(layer * m.num_residual_blocks, (layer + 1) * m.num_residual_blocks)
+            hidden = sum(m.resblocks[i](hidden) for i in blocks) / m.num_residual_blocks
+        out: torch.Tensor = torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)
+        return out.reshape(-1)
+
+    def _graph(self, frames: int, like: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+        found = self._graphs.get(frames)
+        if found is None:
+            static = torch.zeros((1, int(like.shape[1]), frames), device=like.device, dtype=like.dtype)
+            graph, out = capture(lambda: self.forward(static), self._pool)
+            found = self._graphs[frames] = (graph, out, static)
+        return found
+
+    def capture_all(self, mel_dim: int, device: str) -> None:
+        """Capture every length now, so no request waits for a capture; on failure, run eagerly."""
+        like = torch.zeros((1, mel_dim, 1), device=device)
+        try:
+            for frames in sorted(self.lengths):
+                self._graph(frames, like)
+        except Exception:
+            log.exception("CUDA graph capture of the vocoder failed; running it eagerly")
+            self._graphs.clear()
+            self.lengths = set()
+            return
+        log.info("Captured %d vocoder graphs (mel frames %s)", len(self._graphs), sorted(self.lengths))
 
 
 class _MelRunner:

@@ -52,7 +52,8 @@ class OmniJob(Job):
     state: Any = None
 
     def emit(self, frame: ResponseFrame) -> None:
-        self.engine.send(self, frame)
+        engine = self.engine
+        (engine.emit if engine.holding else engine.send)(self, frame)
 
     def check(self) -> None:
         self.engine.check(self)
@@ -125,6 +126,18 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         self._wake = threading.Event()  # set when a job or an upstream frame arrives
         self._stream_priority = 0  # the talker and thinker ask for a higher one (lower number)
         self._stream: Any = None
+        self.holding = False  # inside one_wake_up(): frames wait for its end
+
+    @contextlib.contextmanager
+    def one_wake_up(self) -> Iterator[None]:
+        """Frames emitted inside leave together at the end: a batched step's frames for every request in
+        one event-loop wake-up, not one each (the loop thread competes for the GIL with the workers)."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+            self.flush()
 
     # ------------------------------------------------------------ subclass hooks
 

@@ -301,7 +301,8 @@ class OmniTalkerEngine(OmniEngine):
         rows: list[_TalkerRow] = list(self._slots.holders)
         if any(r.ready for r in rows):
             moved = True
-            finished.extend(self._decode(rows))
+            with self.one_wake_up():
+                finished.extend(self._decode(rows))
         return finished, moved
 
     def _prefill(self, row: _TalkerRow) -> bool:

@@ -458,7 +458,8 @@ class OmniThinkerEngine(OmniEngine):
         rows: list[_ThinkerRow] = list(self._slots.holders)
         if rows:
             moved = True
-            finished.extend(self._decode(rows))
+            with self.one_wake_up():
+                finished.extend(self._decode(rows))
         return finished, moved
 
     def _decode(self, rows: list[_ThinkerRow]) -> list[OmniJob]:

@@ -1,0 +1,316 @@
+"""Where a streamed Qwen2.5-Omni request's time goes end to end: ``omnimodel serve`` with every stage's
+frames, batched steps and code2wav's DiT passes and vocoder calls timestamped inside the process, and the
+client's own times (first text, first audio, end) on the same clock, for requests one at a time and then
+``--concurrency`` at once.
+
+    python bench/omni_timeline.py --model /dev/shm/omni7b --out omni-timeline.json [--switch-interval 0.005]
+
+``omni_parts.py`` times each part alone; this shows how they add up when the three stages share one GPU
+and one interpreter (the pace of each stage's frames, how long each worker loop spends per step, what the
+first audio waited for). The raw events go with the summary so that other questions can be asked later.
+"""
+
+# The runtime's imports sit inside functions on purpose: the serve child patches its classes before the
+# CLI imports anything else, and the parent never loads torch.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD = "--serve-child"
+
+
+# ----------------------------------------------------------------------------- in the serve process
+def _instrument(path: str) -> None:
+    """Wrap the engines' emit, advance, DiT pass and chunk finish so each leaves an event line."""
+    from omnimodel_runtime.engines.omni import code2wav, engine, talker, thinker
+    from omnimodel_runtime.protocol.stage import TensorFrame
+
+    out = open(path, "w", buffering=1)  # noqa: SIM115 - one line per event, for the life of the process
+    lock = threading.Lock()
+
+    def add(**event: Any) -> None:
+        event["t"] = time.monotonic()
+        line = json.dumps(event)
+        with lock:
+            out.write(line + "\n")
+
+    emit = engine.OmniJob.emit
+
+    def timed_emit(self: Any, frame: Any) -> None:
+        kind = (
+            (frame.meta.get("kind") or frame.meta.get("modality"))
+            if isinstance(frame, TensorFrame)
+            else type(frame).__name__
+        )
+        n = None
+        if isinstance(frame, TensorFrame):
+            n = int(next(iter(frame.tensors.values())).shape[0]) if frame.tensors else 0
+        add(ev="emit", stage=self.engine.stage.name, rid=self.request.request_id, kind=kind, n=n)
+        emit(self, frame)
+
+    engine.OmniJob.emit = timed_emit  # type: ignore[method-assign]
+
+    for cls in (thinker.OmniThinkerEngine, talker.OmniTalkerEngine, code2wav.OmniCode2WavEngine):
+        advance = cls.advance
+
+        def timed_advance(self: Any, jobs: list[Any], _advance: Any = advance) -> Any:
+            t0 = time.monotonic()
+            result = _advance(self, jobs)
+            add(ev="advance", stage=self.stage.name, t0=t0, jobs=len(jobs), moved=bool(result[1]))
+            return result
+
+        cls.advance = timed_advance  # type: ignore[method-assign]
+
+    run = code2wav._MelRunner.run
+
+    def timed_run(self: Any, items: list[Any]) -> Any:
+        t0 = time.monotonic()
+        mels = run(self, items)
+        add(ev="dit", t0=t0, rows=len(items), length=int(items[0][1].codes.shape[0]),
+            rids=[job.request.request_id for job, _ in items])  # fmt: skip
+        return mels
+
+    code2wav._MelRunner.run = timed_run  # type: ignore[method-assign]
+    finish = code2wav._Chunked.finish
+
+    def timed_finish(self: Any, window: Any, mel: Any) -> None:
+        t0 = time.monotonic()
+        finish(self, window, mel)
+        add(ev="finish", t0=t0, rid=self.job.request.request_id, start=window.start, end=window.end)
+
+    code2wav._Chunked.finish = timed_finish  # type: ignore[method-assign]
+
+
+def child(argv: list[str]) -> int:
+    events, cudnn_sdp, serve = argv[0], argv[1] == "on", argv[2:]
+    if not cudnn_sdp:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    _instrument(events)
+    from omnimodel_runtime.cli import main
+
+    return main(serve)
+
+
+# ----------------------------------------------------------------------------- the client side
+async def _request(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "modalities": ["text", "audio"],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "seed": 0,
+        "stream": True,
+    }
+    started = time.monotonic()
+    seen: dict[str, Any] = {"start": started, "ttft": None, "ttfa": None, "text_done": None, "audio_chunks": 0}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.monotonic()
+            seen.setdefault("id", chunk.get("id"))
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content"):
+                    seen["ttft"] = seen["ttft"] or now
+                    seen["text_done"] = now
+                if (delta.get("audio") or {}).get("data"):
+                    seen["ttfa"] = seen["ttfa"] or now
+                    seen["audio_chunks"] += 1
+    seen["end"] = time.monotonic()
+    return seen
+
+
+async def _traffic(url: str, max_tokens: int, singles: int, concurrency: int) -> dict[str, Any]:
+    import httpx
+
+    from omnimodel_runtime.bench.chat import PROMPTS
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await _request(client, model, PROMPTS[0], max_tokens)  # warm: connection, lazy work
+        marks: dict[str, Any] = {"single_from": time.monotonic()}
+        # One at a time, each prompt new to the server but the first (as in the bench's ladder).
+        singles_seen = [await _request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(singles)]
+        marks["concurrent_from"] = time.monotonic()
+        together = await asyncio.gather(
+            *(_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(concurrency))
+        )
+        marks["concurrent_to"] = time.monotonic()
+    return {"marks": marks, "single": singles_seen, "concurrent": list(together)}
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"omnimodel serve exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"omnimodel serve did not become healthy within {timeout:.0f} s")
+
+
+# ----------------------------------------------------------------------------- the summary
+def _med(values: list[float]) -> float | None:
+    return round(1000 * statistics.median(values), 2) if values else None
+
+
+def summarise(events: list[dict[str, Any]], seen: dict[str, Any]) -> dict[str, Any]:
+    """Per request: when each stage's first frame left and at what pace the rest followed (ms); per stage,
+    the worker's step times over the request's life."""
+
+    def requests_in(lo: float, hi: float) -> list[str]:
+        firsts: dict[str, float] = {}
+        for e in events:
+            if e["ev"] == "emit" and lo <= e["t"] <= hi and not e["rid"].startswith("warmup"):
+                firsts.setdefault(e["rid"], e["t"])
+        return sorted(firsts, key=firsts.__getitem__)
+
+    def one(rid: str, client: dict[str, Any]) -> dict[str, Any]:
+        t0 = client["start"]
+        mine = [e for e in events if e.get("rid") == rid or rid in e.get("rids", ())]
+
+        def times(stage: str, kind: str) -> list[float]:
+            return [e["t"] for e in mine if e["ev"] == "emit" and e["stage"] == stage and e["kind"] == kind]
+
+        rows, codes = times("thinker", "omni.thinker.reply"), times("talker", "omni.talker.codes")
+        audio = [e["t"] for e in mine if e["ev"] == "emit" and e["stage"] == "code2wav" and e["kind"] == "audio"]
+        dits = [e for e in mine if e["ev"] == "dit"]
+        finishes = [e for e in mine if e["ev"] == "finish"]
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - t0, 4)
+
+        gaps = lambda ts: [b - a for a, b in itertools.pairwise(ts)]  # noqa: E731
+        end = client["end"]
+        steps: dict[str, Any] = {}
+        for stage in ("thinker", "talker", "code2wav"):
+            spans = [e for e in events if e["ev"] == "advance" and e["stage"] == stage and t0 <= e["t"] <= end]
+            moved = [e["t"] - e["t0"] for e in spans if e["moved"]]
+            steps[stage] = {
+                "steps": len(moved),
+                "step_ms_p50": _med(moved),
+                "busy_fraction": round(sum(moved) / (end - t0), 3) if end > t0 else None,
+            }
+        return {
+            "client": {k: rel(client[k]) for k in ("ttft", "ttfa", "text_done", "end")},
+            "thinker_rows": {"n": len(rows), "first": rel(rows[0] if rows else None), "gap_ms_p50": _med(gaps(rows))},
+            "talker_codes": {
+                "n": len(codes),
+                "first": rel(codes[0] if codes else None),
+                "36th": rel(codes[35] if len(codes) > 35 else None),
+                "gap_ms_p50_first48": _med(gaps(codes[:48])),
+                "gap_ms_p50_after48": _med(gaps(codes[48:])),
+                "last": rel(codes[-1] if codes else None),
+            },
+            "code2wav": {
+                "first_audio_emit": rel(audio[0] if audio else None),
+                "audio_emits": len(audio),
+                "dit_passes": [
+                    {
+                        "at": rel(e["t0"]),
+                        "ms": round(1000 * (e["t"] - e["t0"]), 2),
+                        "rows": e["rows"],
+                        "codes": e["length"],
+                    }
+                    for e in dits
+                ],
+                "finish_ms": [round(1000 * (e["t"] - e["t0"]), 2) for e in finishes],
+            },
+            "worker_steps": steps,
+        }
+
+    marks = seen["marks"]
+    out: dict[str, Any] = {}
+    for label, lo, hi, clients in (
+        ("single", marks["single_from"], marks["concurrent_from"], seen["single"]),
+        ("concurrent", marks["concurrent_from"], marks["concurrent_to"], seen["concurrent"]),
+    ):
+        rids = requests_in(lo, hi)
+        # The stages' request ids are the gateway's; requests are matched to clients by arrival order.
+        ordered = sorted(clients, key=lambda c: c["start"])
+        out[label] = [one(rid, c) for rid, c in zip(rids, ordered, strict=False)]
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD:
+        return child(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--singles", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--switch-interval", type=float, help="the server's gil_switch_interval (default: its own)")
+    parser.add_argument("--cudnn-sdp", choices=("on", "off"), default="on", help="cuDNN attention in the server")
+    parser.add_argument("--engine-arg", action="append", default=[])
+    parser.add_argument("--start-timeout", type=float, default=600)
+    args = parser.parse_args()
+    from omnimodel_runtime.bench.common import free_port
+
+    port = free_port()
+    events_path = args.out.with_suffix(".events.jsonl")
+    serve = ["serve", "--preset", "qwen2.5-omni", "--model", f"file://{args.model}", "--port", str(port)]
+    for item in args.engine_arg:
+        serve += ["--engine-arg", item]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = args.out.with_suffix(".log")
+    env = {**os.environ, "OMNIMODEL_LOG_LEVEL": "info"}
+    if args.switch_interval is not None:
+        env["OMNIMODEL_GIL_SWITCH_INTERVAL"] = str(args.switch_interval)
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, CHILD, str(events_path), args.cudnn_sdp, *serve],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc, args.start_timeout)
+            ready_s = time.monotonic() - started
+            seen = asyncio.run(_traffic(url, args.max_tokens, args.singles, args.concurrency))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    result = {
+        "meta": {"command": " ".join(sys.argv), "ready_s": round(ready_s, 1)},
+        "results": summarise(events, seen),
+        "client": seen,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["results"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
