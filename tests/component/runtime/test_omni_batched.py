@@ -154,6 +154,28 @@ async def test_chunks_of_several_streams_in_one_dit_pass_match_one_pass_over_the
         assert float(np.abs(got - single).max()) < CHUNKED_TOLERANCE
 
 
+async def test_a_batched_step_s_frames_reach_the_event_loop_in_one_wake_up(serve: Served) -> None:
+    """The talker's codes for every stream of a step leave in one flush (one event-loop wake-up), not one
+    each: the loop thread competes for the GIL with the stage workers."""
+    engine = serve.engine("talker")
+    sizes: list[int] = []
+    flush = engine.flush
+
+    def counting() -> None:
+        sizes.append(len(engine._outbox))
+        flush()
+
+    engine.flush = counting
+    try:
+        resps = await asyncio.gather(
+            *(serve.http.post("/v1/chat/completions", json=body(p, stream=True, max_tokens=32)) for p in PROMPTS)
+        )
+    finally:
+        del engine.flush
+    assert all(resp.status_code == 200 for resp in resps)
+    assert max(sizes) >= len(PROMPTS), sorted(sizes)[-10:]
+
+
 async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bigvgan_does(serve: Served) -> None:
     """On CUDA the chunk vocoder replays graphs captured at start for the mel lengths a stream's chunks
     have (``ChunkPlan.vocoder_frames``); a length it did not foresee runs eagerly, correct but slow, so

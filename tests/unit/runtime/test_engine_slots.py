@@ -64,3 +64,29 @@ def test_chunk_geometry_of_the_released_dit() -> None:
     assert small.sizes == (24,)
     assert small.windows() == {24, 48, 60}
     assert small.vocoder_frames(2) == {72, 96}  # a 1-block first chunk is all right context: nothing to vocode
+
+
+def test_first_windows_wait_a_moment_for_a_stream_a_code_short_and_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnimodel_runtime.engines.omni import code2wav
+
+    plan = ChunkPlan.from_args(SimpleNamespace(block_size=24, repeats=2), {})  # first window: 24 + 12 codes
+    engine = code2wav.OmniCode2WavEngine.__new__(code2wav.OmniCode2WavEngine)
+    engine._plan, engine._gather_from = plan, None
+
+    def stream(codes: int, start: int = 0) -> SimpleNamespace:
+        state = code2wav._Chunked.__new__(code2wav._Chunked)
+        state.codes, state.chunk_start, state.ended = [0] * codes, start, False
+        return SimpleNamespace(state=state)
+
+    ready, behind, far = stream(36), stream(35), stream(20)
+    first = [(ready.state, SimpleNamespace(start=0))]
+    now = [100.0]
+    monkeypatch.setattr(code2wav.time, "monotonic", lambda: now[0])
+    assert not engine._gathering(first, [ready, far])  # nobody is close: go
+    assert engine._gathering(first, [ready, behind])  # one code short: hold
+    now[0] += code2wav.GATHER_S / 2
+    assert engine._gathering(first, [ready, behind])
+    now[0] += code2wav.GATHER_S
+    assert not engine._gathering(first, [ready, behind])  # waited long enough: go without it
+    steady = [(stream(80, start=24).state, SimpleNamespace(start=24))]
+    assert not engine._gathering(steady, [ready, behind])  # only first windows wait

@@ -218,6 +218,31 @@ def test_a_port_in_use_is_one_line_and_nothing_loads(caplog: pytest.LogCaptureFi
     assert app.state.startup.phase.value == "starting"  # the engine never started loading
 
 
+def test_a_server_sets_the_gil_switch_interval_from_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every server (stage, gateway, serve) goes through run_app, which applies OMNIMODEL_GIL_SWITCH_INTERVAL
+    (default 0.5 ms, not Python's 5 ms: busy omni workers starve the event loop under 5 ms) first thing."""
+    import socket
+    import sys
+
+    from omnimodel_runtime.cli import EXIT_FAILED, run_app
+    from omnimodel_runtime.serve import build_serve_app
+
+    before = sys.getswitchinterval()
+    try:
+        with socket.socket() as taken:  # the port is in use: run_app returns before anything loads
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            pipeline = serve_pipeline("text", "tiny://text", engines=["transformers"])
+            assert RuntimeSettings(port=port).gil_switch_interval == 0.0005
+            monkeypatch.setenv("OMNIMODEL_GIL_SWITCH_INTERVAL", "0.002")
+            settings = RuntimeSettings(port=port)
+            assert run_app(build_serve_app(settings, pipeline), settings) == EXIT_FAILED
+            assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_every_setting_is_documented() -> None:
     doc = (Path(__file__).parents[3] / "docs" / "settings.md").read_text()
     missing = [name for name in RuntimeSettings.model_fields if f"`OMNIMODEL_{name.upper()}`" not in doc]
