@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -160,20 +159,6 @@ async def _traffic(url: str, max_tokens: int, singles: int, concurrency: int) ->
     return {"marks": marks, "single": singles_seen, "concurrent": list(together)}
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"omnimodel serve exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"omnimodel serve did not become healthy within {timeout:.0f} s")
-
-
 # ----------------------------------------------------------------------------- the summary
 def _med(values: list[float]) -> float | None:
     return round(1000 * statistics.median(values), 2) if values else None
@@ -271,7 +256,7 @@ def main() -> int:
     parser.add_argument("--engine-arg", action="append", default=[])
     parser.add_argument("--start-timeout", type=float, default=600)
     args = parser.parse_args()
-    from omnimodel_runtime.bench.common import free_port
+    from omnimodel_runtime.bench.common import free_port, wait_healthy
 
     port = free_port()
     events_path = args.out.with_suffix(".events.jsonl")
@@ -291,7 +276,7 @@ def main() -> int:
         )  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, proc, args.start_timeout)
+            wait_healthy(url, [proc], args.out.parent, args.start_timeout)
             ready_s = time.monotonic() - started
             seen = asyncio.run(_traffic(url, args.max_tokens, args.singles, args.concurrency))
         finally:
