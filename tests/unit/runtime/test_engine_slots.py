@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -72,6 +73,8 @@ def test_first_windows_wait_a_moment_for_a_stream_a_code_short_and_no_longer(mon
     plan = ChunkPlan.from_args(SimpleNamespace(block_size=24, repeats=2), {})  # first window: 24 + 12 codes
     engine = code2wav.OmniCode2WavEngine.__new__(code2wav.OmniCode2WavEngine)
     engine._plan, engine._gather_from = plan, None
+    engine._wake = threading.Event()
+    engine._wake.set()  # a frame has arrived: a hold looks again at once
 
     def stream(codes: int, start: int = 0) -> SimpleNamespace:
         state = code2wav._Chunked.__new__(code2wav._Chunked)

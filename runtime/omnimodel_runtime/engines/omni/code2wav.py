@@ -451,7 +451,7 @@ class OmniCode2WavEngine(OmniEngine):
                 self.fail(job, err)
                 finished.append(job)
         if self._gathering(ready, jobs):
-            return finished, moved
+            return finished, True  # look again at once: _gathering waited for the next frame
         groups: dict[tuple[int, int], list[tuple[_Chunked, _Window]]] = {}
         for state, window in ready:
             key = (int(window.codes.shape[0]), int(state.job.data["ref_mel"].shape[1]))
@@ -494,7 +494,9 @@ class OmniCode2WavEngine(OmniEngine):
         now = time.monotonic()
         if self._gather_from is None:
             self._gather_from = now
-        if now - self._gather_from < GATHER_S:
+        left = GATHER_S - (now - self._gather_from)
+        if left > 0:
+            self._wake.wait(left)  # the next upstream frame, or the end of the wait
             return True
         self._gather_from = None
         return False
