@@ -107,55 +107,41 @@ def child(argv: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- the client side
-async def _request(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "modalities": ["text", "audio"],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "seed": 0,
-        "stream": True,
-    }
+async def _request(client: Any, prompt: str) -> dict[str, Any]:
+    """One streamed request through the bench's own omni client, its times on the monotonic clock the
+    server's events use."""
     started = time.monotonic()
     seen: dict[str, Any] = {"start": started, "ttft": None, "ttfa": None, "text_done": None, "audio_chunks": 0}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.monotonic()
-            seen.setdefault("id", chunk.get("id"))
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {})
-                if delta.get("content"):
-                    seen["ttft"] = seen["ttft"] or now
-                    seen["text_done"] = now
-                if (delta.get("audio") or {}).get("data"):
-                    seen["ttfa"] = seen["ttfa"] or now
-                    seen["audio_chunks"] += 1
+    async for chunk in client.sse_chunks("/v1/chat/completions", client._body(prompt, True)):
+        now = time.monotonic()
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta", {})
+            if delta.get("content"):
+                seen["ttft"] = seen["ttft"] or now
+                seen["text_done"] = now
+            if (delta.get("audio") or {}).get("data"):
+                seen["ttfa"] = seen["ttfa"] or now
+                seen["audio_chunks"] += 1
     seen["end"] = time.monotonic()
     return seen
 
 
 async def _traffic(url: str, max_tokens: int, singles: int, concurrency: int) -> dict[str, Any]:
-    import httpx
-
     from omnimodel_runtime.bench.chat import PROMPTS
+    from omnimodel_runtime.bench.omni import OmniClient
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await _request(client, model, PROMPTS[0], max_tokens)  # warm: connection, lazy work
+    client = OmniClient(url, None, max_tokens)
+    try:
+        client.model = await client.model_id()
+        await _request(client, PROMPTS[0])  # warm: connection, lazy work
         marks: dict[str, Any] = {"single_from": time.monotonic()}
         # One at a time, each prompt new to the server but the first (as in the bench's ladder).
-        singles_seen = [await _request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(singles)]
+        singles_seen = [await _request(client, PROMPTS[i % len(PROMPTS)]) for i in range(singles)]
         marks["concurrent_from"] = time.monotonic()
-        together = await asyncio.gather(
-            *(_request(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(concurrency))
-        )
+        together = await asyncio.gather(*(_request(client, PROMPTS[i % len(PROMPTS)]) for i in range(concurrency)))
         marks["concurrent_to"] = time.monotonic()
+    finally:
+        await client.aclose()
     return {"marks": marks, "single": singles_seen, "concurrent": list(together)}
 
 

@@ -107,9 +107,9 @@ class RuntimeSettings(BaseSettings):
 
     # How long (seconds) a thread may hold the GIL while another waits for it (``sys.setswitchinterval``;
     # Python's default is 0.005). Stage workers hand frames to the event loop thread, which needs the GIL
-    # for every wake-up: under Python's 5 ms, three busy omni workers in one process left it one wake-up
-    # per ~5 ms, and a Qwen2.5-Omni stream on an H200 waited for it (first audio of four streams at once
-    # 2.2 s vs 0.9 s at 0.5 ms; latency of one 3.9 vs 3.4 s: bench/omni_timeline.py).
+    # for every wake-up: with Python's 5 ms and three busy omni workers in one process, Qwen2.5-Omni streams
+    # on an H200 waited for it (only this changed, bench/omni_timeline.py: first audio of four streams at
+    # once 2.2-2.4 s vs 0.89-1.05 s at 0.5 ms; latency of one 3.85-4.17 s vs 3.33-3.45 s).
     gil_switch_interval: Annotated[float, Field(gt=0)] = 0.0005
 
     def timeouts_for(self, stage: str) -> ResolvedTimeouts:

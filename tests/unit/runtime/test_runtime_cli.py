@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,21 +200,33 @@ def test_pipeline_command_writes_the_file_stage_and_gateway_read(
     assert "STAGE=http://HOST:PORT" in capsys.readouterr().err
 
 
-def test_a_port_in_use_is_one_line_and_nothing_loads(caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-    import socket
-
-    from omnimodel_runtime.cli import EXIT_FAILED, run_app
-    from omnimodel_runtime.serve import build_serve_app
-
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A port something else listens on: run_app gives up on it before any engine loads."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
-        settings = RuntimeSettings(port=port)
-        app = build_serve_app(settings, serve_pipeline("text", "tiny://text", engines=["transformers"]))
+        yield int(taken.getsockname()[1])
+
+
+def run_serve_app(settings: RuntimeSettings) -> tuple[int, Any]:
+    """run_app on a tiny text ``serve`` app; its exit status and the app."""
+    from omnimodel_runtime.cli import run_app
+    from omnimodel_runtime.serve import build_serve_app
+
+    app = build_serve_app(settings, serve_pipeline("text", "tiny://text", engines=["transformers"]))
+    return run_app(app, settings), app
+
+
+def test_a_port_in_use_is_one_line_and_nothing_loads(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from omnimodel_runtime.cli import EXIT_FAILED
+
+    with taken_port() as port:
         with caplog.at_level(logging.INFO):
-            assert run_app(app, settings) == EXIT_FAILED
+            rc, app = run_serve_app(RuntimeSettings(port=port))
+        assert rc == EXIT_FAILED
     (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert f"Cannot listen on 127.0.0.1:{port}" in record.getMessage()
     assert "in use" in record.getMessage()
@@ -221,23 +237,14 @@ def test_a_port_in_use_is_one_line_and_nothing_loads(caplog: pytest.LogCaptureFi
 def test_a_server_sets_the_gil_switch_interval_from_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every server (stage, gateway, serve) goes through run_app, which applies OMNIMODEL_GIL_SWITCH_INTERVAL
     (default 0.5 ms, not Python's 5 ms: busy omni workers starve the event loop under 5 ms) first thing."""
-    import socket
-    import sys
-
-    from omnimodel_runtime.cli import EXIT_FAILED, run_app
-    from omnimodel_runtime.serve import build_serve_app
+    from omnimodel_runtime.cli import EXIT_FAILED
 
     before = sys.getswitchinterval()
     try:
-        with socket.socket() as taken:  # the port is in use: run_app returns before anything loads
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            pipeline = serve_pipeline("text", "tiny://text", engines=["transformers"])
+        with taken_port() as port:
             assert RuntimeSettings(port=port).gil_switch_interval == 0.0005
             monkeypatch.setenv("OMNIMODEL_GIL_SWITCH_INTERVAL", "0.002")
-            settings = RuntimeSettings(port=port)
-            assert run_app(build_serve_app(settings, pipeline), settings) == EXIT_FAILED
+            assert run_serve_app(RuntimeSettings(port=port))[0] == EXIT_FAILED
             assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before)

@@ -286,7 +286,9 @@ class OmniCode2WavEngine(OmniEngine):
         self._options.update(generation_overrides(model_dir, "token2wav", self.args))
         self._plan = ChunkPlan.from_args(config.token2wav_config.dit_config, self.args)
         self._hop = int(np.prod(config.token2wav_config.bigvgan_config.upsample_rates))
-        self._vocoder = _Vocoder(self.model.code2wav_bigvgan_model, self.device)
+        repeats = int(self.model.code2wav_dit_model.repeats)
+        graphed = self._plan.vocoder_frames(repeats) if self.batched and self.graphs else ()
+        self._vocoder = _Vocoder(self.model.code2wav_bigvgan_model, self.device, lengths=graphed)
         if self.batched:
             self._load_batched()
 
@@ -301,12 +303,8 @@ class OmniCode2WavEngine(OmniEngine):
         self._mels.shapes = plan.windows()
         default = self.speakers[self.speakers.default]
         self._mels.capture_all(int(default["ref_mel"].shape[1]))
-        if self.graphs:
-            dit = self.model.code2wav_dit_model
-            self._vocoder = _Vocoder(
-                self.model.code2wav_bigvgan_model, self.device, lengths=plan.vocoder_frames(int(dit.repeats))
-            )
-            self._vocoder.capture_all(int(dit.mel_dim), self.device)
+        assert self._vocoder is not None
+        self._vocoder.capture_all(int(self.model.code2wav_dit_model.mel_dim), self.device)  # its lengths, if any
 
     async def warmup(self) -> None:
         codes = tensor_frame(CODES_KIND, {"codes": np.zeros(2, dtype=np.int64)})
@@ -695,6 +693,8 @@ class _Vocoder:
 
     def capture_all(self, mel_dim: int, device: str) -> None:
         """Capture every length now, so no request waits for a capture; on failure, run eagerly."""
+        if not self.lengths:
+            return
         like = torch.zeros((1, mel_dim, 1), device=device)
         try:
             for frames in sorted(self.lengths):
