@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts: where a stream's / a Qwen-Image request's time goes; each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,9 @@ for section in "$@"; do
         python3 bench/omni_timeline.py --model /dev/shm/omni7b ${flags//,/ } \
           --out "$OUT/omni-timeline-$name-h200.json" >/dev/null || status=1
       done
+      ;;
+    sdpa)
+      python3 bench/sdpa_shapes.py --out "$OUT/sdpa-shapes-h200.json" >/dev/null || status=1
       ;;
     text)
       [ -d /dev/shm/q7b ] || { time om make-tiny --preset text --size qwen2.5-7b --device cuda --out /dev/shm/q7b || exit 1; }

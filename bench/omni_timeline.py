@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import itertools
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -73,6 +76,32 @@ def _instrument(path: str) -> None:
             return result
 
         cls.advance = timed_advance  # type: ignore[method-assign]
+
+    # Each prefill (the thinker's and the talker's generate() of one token), timed; with
+    # OMNI_TIMELINE_PROFILE=PREFIX also under cProfile (the worker thread only; the stats accumulate over
+    # every prefill and are written after each to PREFIX-<stage>.txt, as the server is stopped by a signal).
+    profile_prefix = os.environ.get("OMNI_TIMELINE_PROFILE")
+    for cls in (thinker.OmniThinkerEngine, talker.OmniTalkerEngine):
+        prefill = cls._prefill
+        profiler = cProfile.Profile() if profile_prefix else None
+
+        def timed_prefill(self: Any, state: Any, _prefill: Any = prefill, _profiler: Any = profiler) -> Any:
+            job = getattr(state, "job", state)
+            t0 = time.monotonic()
+            if _profiler is not None:
+                _profiler.enable()
+            try:
+                return _prefill(self, state)
+            finally:
+                if _profiler is not None:
+                    _profiler.disable()
+                add(ev="prefill", stage=self.stage.name, rid=job.request.request_id, t0=t0)
+                if _profiler is not None:
+                    text = io.StringIO()
+                    pstats.Stats(_profiler, stream=text).sort_stats("cumulative").print_stats(45)
+                    Path(f"{profile_prefix}-{self.stage.name}.txt").write_text(text.getvalue())
+
+        cls._prefill = timed_prefill  # type: ignore[method-assign]
 
     run = code2wav._MelRunner.run
 
@@ -187,8 +216,10 @@ def summarise(events: list[dict[str, Any]], seen: dict[str, Any]) -> dict[str, A
                 "step_ms_p50": _med(moved),
                 "busy_fraction": round(sum(moved) / (end - t0), 3) if end > t0 else None,
             }
+        prefills = {e["stage"]: round(1000 * (e["t"] - e["t0"]), 1) for e in mine if e["ev"] == "prefill"}
         return {
             "client": {k: rel(client[k]) for k in ("ttft", "ttfa", "text_done", "end")},
+            "prefill_ms": prefills,
             "thinker_rows": {"n": len(rows), "first": rel(rows[0] if rows else None), "gap_ms_p50": _med(gaps(rows))},
             "talker_codes": {
                 "n": len(codes),

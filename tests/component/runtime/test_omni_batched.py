@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 from omni_helpers import (
     CHUNKED_TOLERANCE,
     QWEN25,
@@ -40,6 +41,7 @@ from runtime_procs import (
     wav_samples,
 )
 
+from omnimodel_runtime.engines.devices import sdpa_backends
 from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -174,6 +176,53 @@ async def test_a_batched_step_s_frames_reach_the_event_loop_in_one_wake_up(serve
         del engine.flush
     assert all(resp.status_code == 200 for resp in resps)
     assert max(sizes) >= len(PROMPTS), sorted(sizes)[-10:]
+
+
+async def test_prefills_run_with_the_attention_kernels_the_stage_names(serve: Served) -> None:
+    """``engine_args.prefill_attention`` holds inside the thinker's and the talker's ``generate()`` calls (on
+    CUDA its default keeps cuDNN's attention, which builds a plan for every new length, off the first audio's
+    path) and is let go after them."""
+    seen: dict[str, list[tuple[bool, bool]]] = {"thinker": [], "talker": []}
+    saved = {stage: serve.engine(stage).prefill_attention for stage in seen}
+    hooks = []
+    for stage, calls in seen.items():
+        engine = serve.engine(stage)
+        engine.prefill_attention = sdpa_backends("math")
+
+        def record(*_: Any, calls: list[tuple[bool, bool]] = calls) -> None:
+            calls.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+
+        hooks.append(engine.model.register_forward_pre_hook(record))
+    try:
+        resp = await serve.http.post("/v1/chat/completions", json=body(PROMPTS[2], max_tokens=8))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for stage, value in saved.items():
+            serve.engine(stage).prefill_attention = value
+    assert resp.status_code == 200, resp.text
+    assert seen["thinker"] and seen["talker"]
+    assert set(seen["thinker"]) == set(seen["talker"]) == {(False, True)}
+    assert torch.backends.cuda.flash_sdp_enabled()
+
+
+async def test_a_prefill_does_not_build_a_default_config(serve: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handed no generation config, ``generate()`` builds a default instance of the model's config class on
+    every call to look for legacy generation parameters: ~60 ms of the thinker's prefill on two CPU cores
+    (its audio, vision and text sub-configs). The stages hand it the model's own."""
+    built: list[str] = []
+    for stage in ("thinker", "talker"):
+        cls = type(serve.engine(stage).model.config)
+        init = cls.__init__
+
+        def counting(self: Any, *args: Any, _init: Any = init, _name: str = cls.__name__, **kwargs: Any) -> None:
+            built.append(_name)
+            _init(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", counting)
+    resp = await serve.http.post("/v1/chat/completions", json=body(PROMPTS[3], max_tokens=8))
+    assert resp.status_code == 200, resp.text
+    assert built == []
 
 
 async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bigvgan_does(serve: Served) -> None:

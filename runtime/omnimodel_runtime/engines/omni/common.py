@@ -15,6 +15,7 @@ The engine base the three share, one request at a time on a worker thread, is :m
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import secrets
@@ -267,6 +268,18 @@ class RngTurn:
         gen = torch.Generator(device=self._device)
         gen.set_state(self.state)
         return gen
+
+
+def generate(model: Any, **kwargs: Any) -> Any:
+    """``model.generate(**kwargs)``, its generation parameters handed over as a ``GenerationConfig``: the
+    model's own updated with them, which is what ``generate()`` makes of the same arguments itself. Handed
+    none, ``generate()`` first checks ``model.config`` for legacy generation parameters by building a
+    default instance of the config's class: for Qwen2.5-Omni's thinker config, with its audio, vision and
+    text sub-configs, ~60 ms of validation per call on a 2-core CPU (the talker's ~10 ms), paid by every
+    prefill before its first token (``bench/omni_timeline.py`` with ``OMNI_TIMELINE_PROFILE``)."""
+    config = copy.deepcopy(model.generation_config)
+    rest = config.update(**kwargs)
+    return model.generate(generation_config=config, **rest)
 
 
 def tensor_frame(kind: str, tensors: Mapping[str, np.ndarray], **meta: Any) -> TensorFrame:

@@ -28,7 +28,7 @@ from typing import Any, Final
 import torch
 
 from omnimodel_runtime.engines.base import EngineContext
-from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
+from omnimodel_runtime.engines.devices import resolve_device, sdpa_backends, torch_dtype
 from omnimodel_runtime.engines.slots import new_stream, on_stream
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
 from omnimodel_runtime.errors import StageError
@@ -37,6 +37,8 @@ from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInp
 log = logging.getLogger(__name__)
 
 _END: Final = object()  # end of an upstream feed
+# engine_args.prefill_attention's default on CUDA: every kernel but cuDNN's (see OmniEngine.__init__).
+PREFILL_ATTENTION_CUDA: Final = "flash,efficient,math"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -121,6 +123,14 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         # torch.compile before the graphs are captured (the slot decoders' layers, code2wav's DiT blocks).
         self.compiled = flag(self.args, "compile", default=self.graphs)
         self.max_batch = int(self.args.get("max_batch_size", 8))
+        # The attention kernels of the stages' generate() calls (the batched path's prefills; every step of a
+        # request served one at a time). On CUDA torch prefers cuDNN's, which builds a plan for each new
+        # sequence length: 50-75 ms on an H200 at the thinker's and the talker's shapes, paid twice by every
+        # prompt of a new length before its first audio; flash attention takes ~0.1 ms (bench/sdpa_shapes.py).
+        default = PREFILL_ATTENTION_CUDA if torch.device(self.device).type == "cuda" else "auto"
+        self.prefill_attention = sdpa_backends(
+            self.args.get("prefill_attention", default), "engine_args.prefill_attention"
+        )
         self._current: OmniJob | None = None  # the job the worker is running (one at a time)
         self._active: list[OmniJob] = []  # the jobs the worker is running (batched)
         self._wake = threading.Event()  # set when a job or an upstream frame arrives

@@ -50,6 +50,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerForConditionalGeneration,
 )
 
+from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_LENGTHS,
     AUDIO_META,
@@ -62,6 +63,7 @@ from omnimodel_runtime.engines.omni.common import (
     VIDEO_SECONDS,
     RngTurn,
     Speakers,
+    generate,
     generation_overrides,
     load_part,
     load_prefixed,
@@ -343,13 +345,15 @@ class Qwen3TalkerEngine(OmniEngine):
                 # What the whole model does: its talker gets only inputs_embeds, so the repetition penalty
                 # counts the codes it generates, not the prompt (transformers warns about that every call).
                 warnings.filterwarnings("ignore", message="Passing `repetition_penalty` with `inputs_embeds`")
-                model.generate(
-                    **inputs,
-                    stopping_criteria=StoppingCriteriaList([criterion]),
-                    output_hidden_states=True,
-                    return_dict_in_generate=True,
-                    **generation,
-                )
+                with sdpa_scope(self.prefill_attention):
+                    generate(
+                        model,
+                        **inputs,
+                        stopping_criteria=StoppingCriteriaList([criterion]),
+                        output_hidden_states=True,
+                        return_dict_in_generate=True,
+                        **generation,
+                    )
         finally:
             for hook in hooks:
                 hook.remove()

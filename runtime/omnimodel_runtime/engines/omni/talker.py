@@ -34,6 +34,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_LENGTHS,
     CODES_KIND,
@@ -45,6 +46,7 @@ from omnimodel_runtime.engines.omni.common import (
     VIDEO_GRID,
     VIDEO_SECONDS,
     RngTurn,
+    generate,
     generation_overrides,
     load_config,
     load_part,
@@ -212,19 +214,21 @@ class OmniTalkerEngine(OmniEngine):
         model = self.model
         hook = model.register_forward_hook(lambda *_: turn.begin())
         try:
-            return model.generate(
-                input_ids=call.input_ids,
-                input_text_ids=call.text_ids,
-                # Replaced step by step by `supply`; generate() only needs the argument to exist.
-                thinker_reply_part=torch.zeros_like(call.reply0[:1]).unsqueeze(0),
-                inputs_embeds=call.inputs_embeds,
-                attention_mask=torch.ones((1, call.prompt_len), dtype=torch.long, device=self.device),
-                suppress_tokens=[model.codec_bos_token],
-                pad_token_id=model.codec_pad_token,
-                stopping_criteria=StoppingCriteriaList([call.criterion]),
-                **call.media,
-                **{**call.generation, **extra},
-            )
+            with sdpa_scope(self.prefill_attention):
+                return generate(
+                    model,
+                    input_ids=call.input_ids,
+                    input_text_ids=call.text_ids,
+                    # Replaced step by step by `supply`; generate() only needs the argument to exist.
+                    thinker_reply_part=torch.zeros_like(call.reply0[:1]).unsqueeze(0),
+                    inputs_embeds=call.inputs_embeds,
+                    attention_mask=torch.ones((1, call.prompt_len), dtype=torch.long, device=self.device),
+                    suppress_tokens=[model.codec_bos_token],
+                    pad_token_id=model.codec_pad_token,
+                    stopping_criteria=StoppingCriteriaList([call.criterion]),
+                    **call.media,
+                    **{**call.generation, **extra},
+                )
         finally:
             hook.remove()
             turn.end()

@@ -45,6 +45,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_LENGTHS,
     IMAGE_GRID,
@@ -55,6 +56,7 @@ from omnimodel_runtime.engines.omni.common import (
     VIDEO_SECONDS,
     RngTurn,
     Speakers,
+    generate,
     load_config,
     load_part,
     quiet_transformers,
@@ -364,15 +366,17 @@ class OmniThinkerEngine(OmniEngine):
         kwargs.update(self._media_kwargs(job))
         media = job.data.get("media")
         try:
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                # The whole model passes this to every part: a video's audio interleaved with its frames
-                # shifts the M-RoPE positions of both.
-                use_audio_in_video=bool(media and media[USE_AUDIO_IN_VIDEO]),
-                stopping_criteria=StoppingCriteriaList([criterion]),
-                **kwargs,
-            )
+            with sdpa_scope(self.prefill_attention):
+                out = generate(
+                    self.model,
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    # The whole model passes this to every part: a video's audio interleaved with its frames
+                    # shifts the M-RoPE positions of both.
+                    use_audio_in_video=bool(media and media[USE_AUDIO_IN_VIDEO]),
+                    stopping_criteria=StoppingCriteriaList([criterion]),
+                    **kwargs,
+                )
         finally:
             for hook in hooks:
                 hook.remove()
