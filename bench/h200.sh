@@ -20,7 +20,7 @@ for section in "$@"; do
     omni)
       [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
       om bench --preset qwen2.5-omni --model file:///dev/shm/omni7b --mode omni --max-tokens 48 --rounds 1 \
-        --omni-prompts 2 --omni-concurrency 1,4 --omni-requests 4 --hf-baseline 1 --start-timeout 600 \
+        --omni-prompts 2 --omni-concurrency 1,4 --omni-requests 4 --hf-baseline 3 --start-timeout 600 \
         --omni-deployments "${OMNI_DEPLOYMENTS:-in_process,three_processes}" \
         --out "$OUT/omni-qwen2.5-omni-7b-h200.json" >/dev/null || status=1
       ;;

@@ -85,7 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="in_process,three_processes",
         help="which deployments to measure: in_process (omnimodel serve), three_processes (gateway + stages)",
     )
-    omni.add_argument("--hf-baseline", type=int, default=2, help="Hugging Face whole-model requests to time (0: skip)")
+    omni.add_argument(
+        "--hf-baseline",
+        type=int,
+        default=2,
+        help="Hugging Face whole-model requests, each paired with one streamed request to each deployment (0: skip)",
+    )
     images = p.add_argument_group("images mode")
     images.add_argument("--size", default="512x512", help="image size WIDTHxHEIGHT")
     images.add_argument("--steps", type=int, default=20, help="denoising steps")
@@ -192,19 +197,18 @@ def run(args: argparse.Namespace) -> int:
                 hf_baseline=args.hf_baseline,
             )
             results = asyncio.run(omni_mode.measure(args, urls))
+            if args.hf_baseline > 0:
+                try:
+                    results.update(asyncio.run(omni_mode.hf_baseline(args, urls)))
+                    results["vs_hf_whole_model"] = omni_mode.versus_hf(results)
+                except Exception as err:
+                    results.setdefault("errors", {})["hf_whole_model"] = f"{type(err).__name__}: {err}"
         elif speech:
             url = args.url or stack.enter_context(deployment(args, Path(tmp)))
             results = asyncio.run(speech_mode.measure(args, url))
         else:
             url = args.url or stack.enter_context(deployment(args, Path(tmp), single_stage=True))
             results = asyncio.run(chat_mode.measure(args, url))
-    if omni and args.hf_baseline > 0:
-        # After the deployments have stopped: the whole model has the device to itself.
-        try:
-            results["hf_whole_model"] = omni_mode.hf_whole_model(args)
-            results["vs_hf_whole_model"] = omni_mode.versus_hf(results)
-        except Exception as err:
-            results.setdefault("errors", {})["hf_whole_model"] = f"{type(err).__name__}: {err}"
     report = {"meta": meta, "results": results}
     text = json.dumps(report, indent=2) + "\n"
     print(text, end="")

@@ -2,7 +2,7 @@
 a gateway with one process per stage, interleaved on the same prompts: latency, time to first text and
 first audio, real-time factor; then a concurrency ladder (streamed requests at each ``--omni-concurrency``
 level, every request's first audio) and Hugging Face's whole model (``generate()`` in this process, on the
-same prompts and device) as the baseline."""
+same prompts and device) as the baseline, in alternating pairs with streamed requests to each deployment."""
 
 # Imports sit inside functions on purpose: each mode pulls in only what it needs.
 # ruff: noqa: PLC0415
@@ -196,62 +196,108 @@ async def ladder(args: argparse.Namespace, clients: dict[str, OmniClient]) -> di
     return out
 
 
-def hf_whole_model(args: argparse.Namespace) -> dict[str, Any]:
+class HfWhole:
     """Hugging Face's ``Qwen2_5OmniForConditionalGeneration.generate()`` in this process on the same
     device, dtype and prompts (greedy thinker held to ``--max-tokens`` like the served requests, the
     talker's own sampling and the model's token2wav): latency, audio seconds, text tokens/s end to end.
     The whole model returns its audio only at the end, so its time to first audio is its latency."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
-    from omnimodel_runtime.bench.common import device
-    from omnimodel_runtime.layout import OMNI_GENERATION_FILE
-    from omnimodel_runtime.models import resolve_model_dir
-    from omnimodel_runtime.pipeline import ModelSource
-    from omnimodel_runtime.settings import RuntimeSettings
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
-    where = device()
-    model_dir = resolve_model_dir(ModelSource(source=args.model), RuntimeSettings())
-    dtype = torch.float32 if where == "cpu" else torch.bfloat16
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(where).eval()
-    model.token2wav.float()  # as the released model runs it (and the code2wav stage does)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    generation_file = model_dir / OMNI_GENERATION_FILE
-    talker = (json.loads(generation_file.read_text()) if generation_file.is_file() else {}).get("talker", {})
-    samples: list[OmniSample] = []
-    try:
-        for i in range(args.hf_baseline + 1):  # the first is a warm-up
-            prompt = PROMPTS[i % len(PROMPTS)]
-            messages = [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(where)
-            if where != "cpu":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            torch.manual_seed(0)
-            with torch.inference_mode():
-                sequences, waveform = model.generate(
-                    **inputs,
-                    thinker_max_new_tokens=args.max_tokens,
-                    thinker_min_new_tokens=args.max_tokens,
-                    thinker_do_sample=False,
-                    talker_max_new_tokens=int(talker.get("max_new_tokens", 4096)),
-                    talker_eos_token_id=[model.talker.codec_pad_token, model.talker.codec_eos_token],
-                )
-            if where != "cpu":
-                torch.cuda.synchronize()
-            latency = time.perf_counter() - started
-            tokens = int(sequences.shape[1] - inputs["input_ids"].shape[1])
-            sample = OmniSample(latency, None, latency, None, waveform.numel() / 24000, tokens)
-            if i > 0:
-                samples.append(sample)
-    finally:
-        del model
+        from omnimodel_runtime.bench.common import device
+        from omnimodel_runtime.layout import OMNI_GENERATION_FILE
+        from omnimodel_runtime.models import resolve_model_dir
+        from omnimodel_runtime.pipeline import ModelSource
+        from omnimodel_runtime.settings import RuntimeSettings
+
+        self.args = args
+        self.where = device()
+        model_dir = resolve_model_dir(ModelSource(source=args.model), RuntimeSettings())
+        dtype = torch.float32 if self.where == "cpu" else torch.bfloat16
+        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(self.where).eval()
+        self.model.token2wav.float()  # as the released model runs it (and the code2wav stage does)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        generation_file = model_dir / OMNI_GENERATION_FILE
+        self.talker = (json.loads(generation_file.read_text()) if generation_file.is_file() else {}).get("talker", {})
+
+    def sample(self, prompt: str) -> OmniSample:
+        import torch
+
+        model, where = self.model, self.where
+        messages = [{"role": "user", "content": prompt}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).to(where)
         if where != "cpu":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            sequences, waveform = model.generate(
+                **inputs,
+                thinker_max_new_tokens=self.args.max_tokens,
+                thinker_min_new_tokens=self.args.max_tokens,
+                thinker_do_sample=False,
+                talker_max_new_tokens=int(self.talker.get("max_new_tokens", 4096)),
+                talker_eos_token_id=[model.talker.codec_pad_token, model.talker.codec_eos_token],
+            )
+        if where != "cpu":
+            torch.cuda.synchronize()
+        latency = time.perf_counter() - started
+        tokens = int(sequences.shape[1] - inputs["input_ids"].shape[1])
+        return OmniSample(latency, None, latency, None, waveform.numel() / 24000, tokens)
+
+    def close(self) -> None:
+        import torch
+
+        del self.model
+        if self.where != "cpu":
             torch.cuda.empty_cache()
-    out = summary(samples)
+
+
+async def hf_baseline(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
+    """The whole model against each deployment in alternating pairs on the same prompts (after one
+    warm-up of the whole model): a whole-model request, then a streamed request to each deployment,
+    ``--hf-baseline`` times. The deployments sit idle while the whole model runs, and both sides of a pair
+    see the machine as it is at that moment (the lent machine's speed drifts between runs: the whole model
+    took 11.8 to 22.5 s on the same H200 image). ``hf_pairs``: per deployment, each pair's ratio of end-to-end text
+    tokens/s (ours over the whole model's) and their median."""
+    clients = {name: OmniClient(url, args.api_key, args.max_tokens) for name, url in urls.items()}
+    whole = HfWhole(args)
+    hf: list[OmniSample] = []
+    ours: dict[str, list[OmniSample]] = {name: [] for name in clients}
+    try:
+        for client in clients.values():
+            client.model = await client.model_id()
+        whole.sample(PROMPTS[0])  # warm-up
+        for i in range(args.hf_baseline):
+            prompt = PROMPTS[(i + 1) % len(PROMPTS)]
+            hf.append(whole.sample(prompt))
+            for name, client in clients.items():
+                ours[name].append(await client.streamed(prompt))
+    finally:
+        whole.close()
+        for client in clients.values():
+            await client.aclose()
+    pairs: dict[str, Any] = {}
+    for name, samples in ours.items():
+        ratios = [
+            (o.text_tokens / o.latency) / (h.text_tokens / h.latency)
+            for o, h in zip(samples, hf, strict=True)
+            if o.latency > 0 and h.latency > 0 and h.text_tokens > 0
+        ]
+        pairs[name] = {
+            "text_tok_s_ratios": [round(r, 2) for r in ratios],
+            "text_tok_s_ratio_p50": round(statistics.median(ratios), 2) if ratios else None,
+            "latency_s": [round(o.latency, 3) for o in samples],
+            "hf_latency_s": [round(h.latency, 3) for h in hf],
+            "audio_s": [round(o.audio_s, 3) for o in samples],
+            "hf_audio_s": [round(h.audio_s, 3) for h in hf],
+        }
+    out = summary(hf)
     out["ttfa_p50_s"] = out["latency_p50_s"]
-    return out
+    return {"hf_whole_model": out, "hf_pairs": pairs}
 
 
 def versus_hf(results: dict[str, Any]) -> dict[str, Any]:
