@@ -8,6 +8,8 @@ client's own times (first text, first audio, end) on the same clock, for request
 ``omni_parts.py`` times each part alone; this shows how they add up when the three stages share one GPU
 and one interpreter (the pace of each stage's frames, how long each worker loop spends per step, what the
 first audio waited for). The raw events go with the summary so that other questions can be asked later.
+With ``OMNI_TIMELINE_PROFILE=PREFIX`` the thinker's and the talker's prefills and the talker's decode steps
+also run under cProfile (``PREFIX-<stage>.txt``, ``PREFIX-talker-decode.txt``; it slows them down).
 """
 
 # The runtime's imports sit inside functions on purpose: the serve child patches its classes before the
@@ -81,6 +83,16 @@ def _instrument(path: str) -> None:
     # OMNI_TIMELINE_PROFILE=PREFIX also under cProfile (the worker thread only; the stats accumulate over
     # every prefill and are written after each to PREFIX-<stage>.txt, as the server is stopped by a signal).
     profile_prefix = os.environ.get("OMNI_TIMELINE_PROFILE")
+
+    def _enable(profiler: cProfile.Profile) -> bool:
+        """Python 3.12's cProfile is one tool for the whole process (it sees every thread while on): a
+        call that overlaps another profiled one goes unprofiled instead of failing."""
+        try:
+            profiler.enable()
+        except ValueError:
+            return False
+        return True
+
     for cls in (thinker.OmniThinkerEngine, talker.OmniTalkerEngine):
         prefill = cls._prefill
         profiler = cProfile.Profile() if profile_prefix else None
@@ -88,12 +100,11 @@ def _instrument(path: str) -> None:
         def timed_prefill(self: Any, state: Any, _prefill: Any = prefill, _profiler: Any = profiler) -> Any:
             job = getattr(state, "job", state)
             t0 = time.monotonic()
-            if _profiler is not None:
-                _profiler.enable()
+            on = _profiler is not None and _enable(_profiler)
             try:
                 return _prefill(self, state)
             finally:
-                if _profiler is not None:
+                if on:
                     _profiler.disable()
                 add(ev="prefill", stage=self.stage.name, rid=job.request.request_id, t0=t0)
                 if _profiler is not None:
@@ -102,6 +113,30 @@ def _instrument(path: str) -> None:
                     Path(f"{profile_prefix}-{self.stage.name}.txt").write_text(text.getvalue())
 
         cls._prefill = timed_prefill  # type: ignore[method-assign]
+
+    if profile_prefix:
+        # The talker's batched decode steps too (PREFIX-talker-decode.txt, by own time: a step blocked on
+        # the GPU shows as the time of the call that synchronises, .tolist()), written every 100 steps.
+        decode = talker.OmniTalkerEngine._decode
+        steps = cProfile.Profile()
+        count = [0]
+
+        def profiled_decode(self: Any, rows: list[Any]) -> Any:
+            on = _enable(steps)
+            try:
+                return decode(self, rows)
+            finally:
+                if on:
+                    steps.disable()
+                count[0] += 1
+                if count[0] % 100 == 0:
+                    text = io.StringIO()
+                    stats = pstats.Stats(steps, stream=text)
+                    stats.sort_stats("tottime").print_stats(30)
+                    stats.sort_stats("cumulative").print_stats(30)
+                    Path(f"{profile_prefix}-talker-decode.txt").write_text(f"{count[0]} steps\n" + text.getvalue())
+
+        talker.OmniTalkerEngine._decode = profiled_decode  # type: ignore[method-assign]
 
     run = code2wav._MelRunner.run
 

@@ -23,7 +23,6 @@ from typing import Any, Final
 import numpy as np
 import torch
 from transformers import (
-    LogitsProcessorList,
     Qwen2_5OmniTalkerForConditionalGeneration,
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
@@ -99,7 +98,7 @@ class OmniTalkerEngine(OmniEngine):
         self._eos: list[int] = []
         self._slots: SlotTable | None = None  # batched serving: the decode slots
         self._ids = torch.zeros(0, dtype=torch.long)
-        self._processors: Any = None
+        self._processors: list[Any] = []
         self._sample = True
         self._stream_priority = -1  # ahead of code2wav's DiT passes on a shared GPU
 
@@ -275,7 +274,9 @@ class OmniTalkerEngine(OmniEngine):
                 processors.append(TopKLogitsWarper(int(g["top_k"])))
             if g.get("top_p") not in (None, 1.0):
                 processors.append(TopPLogitsWarper(float(g["top_p"])))
-        self._processors = LogitsProcessorList(processors)
+        # Called one by one in _decode: LogitsProcessorList.__call__ inspects each processor's signature
+        # on every call, ~0.4 ms of each step's host time with these five on the H200's host (profiled).
+        self._processors = processors
 
     def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
         assert self._slots is not None
@@ -354,7 +355,9 @@ class OmniTalkerEngine(OmniEngine):
         _, logits = self._slots.decoder.step(x, [r.length for r in rows], [r.length + r.delta for r in rows])
         scores = logits.index_select(0, picked)
         width = max(rows[i].history for i in ready)
-        scores = self._processors(self._ids.index_select(0, picked)[:, :width], scores)
+        history = self._ids.index_select(0, picked)[:, :width]
+        for processor in self._processors:  # what LogitsProcessorList does with two-argument processors
+            scores = processor(history, scores)
         if self._sample:
             probs = torch.softmax(scores, dim=-1)
             draws = [torch.multinomial(probs[k : k + 1], 1, generator=rows[i].generator) for k, i in enumerate(ready)]
