@@ -80,8 +80,9 @@ def _instrument(path: str) -> None:
         cls.advance = timed_advance  # type: ignore[method-assign]
 
     # Each prefill (the thinker's and the talker's generate() of one token), timed; with
-    # OMNI_TIMELINE_PROFILE=PREFIX also under cProfile (the worker thread only; the stats accumulate over
-    # every prefill and are written after each to PREFIX-<stage>.txt, as the server is stopped by a signal).
+    # OMNI_TIMELINE_PROFILE=PREFIX also under cProfile (the calling thread on Python 3.11, every thread
+    # while it is on from 3.12; the stats accumulate over every prefill and are written after each to
+    # PREFIX-<stage>.txt, as the server is stopped by a signal).
     profile_prefix = os.environ.get("OMNI_TIMELINE_PROFILE")
 
     def _enable(profiler: cProfile.Profile) -> bool:
@@ -107,7 +108,7 @@ def _instrument(path: str) -> None:
                 if on:
                     _profiler.disable()
                 add(ev="prefill", stage=self.stage.name, rid=job.request.request_id, t0=t0)
-                if _profiler is not None:
+                if on:  # (a profiler that never ran has no stats to print)
                     text = io.StringIO()
                     pstats.Stats(_profiler, stream=text).sort_stats("cumulative").print_stats(45)
                     Path(f"{profile_prefix}-{self.stage.name}.txt").write_text(text.getvalue())
@@ -119,7 +120,7 @@ def _instrument(path: str) -> None:
         # the GPU shows as the time of the call that synchronises, .tolist()), written every 100 steps.
         decode = talker.OmniTalkerEngine._decode
         steps = cProfile.Profile()
-        count = [0]
+        count = [0]  # profiled steps
 
         def profiled_decode(self: Any, rows: list[Any]) -> Any:
             on = _enable(steps)
@@ -128,13 +129,14 @@ def _instrument(path: str) -> None:
             finally:
                 if on:
                     steps.disable()
-                count[0] += 1
-                if count[0] % 100 == 0:
+                    count[0] += 1
+                if on and count[0] % 100 == 0:
                     text = io.StringIO()
                     stats = pstats.Stats(steps, stream=text)
                     stats.sort_stats("tottime").print_stats(30)
                     stats.sort_stats("cumulative").print_stats(30)
-                    Path(f"{profile_prefix}-talker-decode.txt").write_text(f"{count[0]} steps\n" + text.getvalue())
+                    head = f"{count[0]} steps profiled\n"
+                    Path(f"{profile_prefix}-talker-decode.txt").write_text(head + text.getvalue())
 
         talker.OmniTalkerEngine._decode = profiled_decode  # type: ignore[method-assign]
 

@@ -22,14 +22,22 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from omnimodel_runtime.engines.devices import sdpa_backends
+from omnimodel_runtime.engines.omni.engine import PREFILL_ATTENTION_CUDA
+
 # Qwen2.5-Omni-7B: the thinker's text model and the talker (heads, key/value heads, head_dim).
 GEOMETRIES = {"thinker": (28, 4, 128), "talker": (12, 4, 128)}
+# Labels (as in the committed JSON) -> engine_args.prefill_attention values: torch's choice, each kernel
+# alone, and the stages' default on CUDA.
 KERNELS = {
-    "default": None,
-    "cudnn": [SDPBackend.CUDNN_ATTENTION],
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-    "flash+efficient+math": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    label: sdpa_backends(spec)
+    for label, spec in {
+        "default": "auto",
+        "cudnn": "cudnn",
+        "flash": "flash",
+        "efficient": "efficient",
+        "flash+efficient+math": PREFILL_ATTENTION_CUDA,
+    }.items()
 }
 
 

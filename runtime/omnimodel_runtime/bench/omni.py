@@ -263,17 +263,20 @@ async def hf_baseline(args: argparse.Namespace, urls: dict[str, str]) -> dict[st
     see the machine as it is at that moment (the lent machine's speed drifts between runs: the whole model
     took 11.8 to 22.5 s on the same H200 image). ``hf_pairs``: per deployment, each pair's ratio of end-to-end text
     tokens/s (ours over the whole model's) and their median."""
+    import asyncio
+
     clients = {name: OmniClient(url, args.api_key, args.max_tokens) for name, url in urls.items()}
-    whole = HfWhole(args)
+    # Loading and generate() block for seconds: in a thread, so the loop keeps its connections' housekeeping.
+    whole = await asyncio.to_thread(HfWhole, args)
     hf: list[OmniSample] = []
     ours: dict[str, list[OmniSample]] = {name: [] for name in clients}
     try:
         for client in clients.values():
             client.model = await client.model_id()
-        whole.sample(PROMPTS[0])  # warm-up
+        await asyncio.to_thread(whole.sample, PROMPTS[0])  # warm-up
         for i in range(args.hf_baseline):
             prompt = PROMPTS[(i + 1) % len(PROMPTS)]
-            hf.append(whole.sample(prompt))
+            hf.append(await asyncio.to_thread(whole.sample, prompt))
             for name, client in clients.items():
                 ours[name].append(await client.streamed(prompt))
     finally:

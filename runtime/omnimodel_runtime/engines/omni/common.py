@@ -275,8 +275,8 @@ def generate(model: Any, **kwargs: Any) -> Any:
     model's own updated with them, which is what ``generate()`` makes of the same arguments itself. Handed
     none, ``generate()`` first checks ``model.config`` for legacy generation parameters by building a
     default instance of the config's class: for Qwen2.5-Omni's thinker config, with its audio, vision and
-    text sub-configs, ~60 ms of validation per call on a 2-core CPU (the talker's ~10 ms), paid by every
-    prefill before its first token (``bench/omni_timeline.py`` with ``OMNI_TIMELINE_PROFILE``)."""
+    text sub-configs, ~60 ms of validation per call under cProfile on a 2-core CPU (the talker's ~10 ms),
+    paid by every prefill before its first token (``bench/omni_timeline.py`` with ``OMNI_TIMELINE_PROFILE``)."""
     config = copy.deepcopy(model.generation_config)
     rest = config.update(**kwargs)
     return model.generate(generation_config=config, **rest)

@@ -125,7 +125,7 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         self.max_batch = int(self.args.get("max_batch_size", 8))
         # The attention kernels of the stages' generate() calls (the batched path's prefills; every step of a
         # request served one at a time). On CUDA torch prefers cuDNN's, which builds a plan for each new
-        # sequence length: 50-75 ms on an H200 at the thinker's and the talker's shapes, paid twice by every
+        # sequence length: 49-74 ms on an H200 at the thinker's and the talker's shapes, paid twice by every
         # prompt of a new length before its first audio; flash attention takes ~0.1 ms (bench/sdpa_shapes.py).
         default = PREFILL_ATTENTION_CUDA if torch.device(self.device).type == "cuda" else "auto"
         self.prefill_attention = sdpa_backends(
