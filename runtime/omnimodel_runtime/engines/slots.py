@@ -102,6 +102,16 @@ def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
+def host_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as a long tensor on ``device`` without waiting for the device: on CUDA through pinned
+    memory and a non-blocking copy, since a copy from pageable memory synchronises with the stream, and a
+    decode loop that keeps the GPU a step ahead must not wait for it (PyTorch's host allocator keeps the
+    pinned block until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 def capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     """``fn`` captured as a CUDA graph (after two eager warm-up runs on a side stream, as PyTorch
     recommends); returns the graph and ``fn``'s outputs, which every replay rewrites in place."""
@@ -240,8 +250,8 @@ class SlotDecoder:
         length = bucket(max(index) + 1, self.lengths)
         pad = [0] * (rows - n)
         self._embeds[:n].copy_(embeds)
-        self._index[:rows].copy_(torch.tensor([*index, *pad], dtype=torch.long))
-        self._rope[:rows].copy_(torch.tensor([*(rope if rope is not None else index), *pad], dtype=torch.long))
+        self._index[:rows].copy_(host_ints([*index, *pad], self.device))
+        self._rope[:rows].copy_(host_ints([*(rope if rope is not None else index), *pad], self.device))
         if self.graphs:
             graph, (hidden, logits) = self._graph(rows, length)
             graph.replay()

@@ -42,6 +42,23 @@ from runtime_procs import (
 )
 
 from omnimodel_runtime.engines.devices import sdpa_backends
+from omnimodel_runtime.engines.omni.common import (
+    CODES_KIND,
+    PROMPT_KIND,
+    REPLY_KIND,
+    RNG_KIND,
+    rows_to_wire,
+    tensor_frame,
+)
+from omnimodel_runtime.protocol.stage import (
+    FinalFrame,
+    ResponseFrame,
+    SamplingParams,
+    StageInput,
+    StageParams,
+    StageRequest,
+    TensorFrame,
+)
 from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -275,6 +292,70 @@ async def test_a_long_stream_s_dit_windows_all_have_captured_lengths(serve: Serv
         del mels.run
     assert len(lengths) >= 3
     assert set(lengths) <= engine._plan.windows(), lengths
+
+
+def talker_input(engine: Any, replies: int) -> list[ResponseFrame]:
+    """What the thinker sends the talker (made-up rows: a 3-row prompt and ``replies`` reply rows)."""
+    size = int(engine.model.config.embedding_size)
+    noise = torch.Generator().manual_seed(11)
+    prompt, dtype = rows_to_wire(torch.randn((3, size), generator=noise).to(engine.model.dtype))
+    reply, _ = rows_to_wire(torch.randn((replies, size), generator=noise).to(engine.model.dtype))
+    head = {"prompt_rows": prompt, "prompt_ids": np.zeros(3, dtype=np.int64), "special_rows": prompt}
+    return [
+        tensor_frame(PROMPT_KIND, head, dtype=dtype, speaker_bos_token=0),
+        tensor_frame(REPLY_KIND, {"rows": reply, "token_ids": np.zeros(replies, dtype=np.int64)}, dtype=dtype),
+    ]
+
+
+async def talk(engine: Any, frames: list[ResponseFrame], *, seed: int, cap: int) -> tuple[list[int], str, np.ndarray]:
+    """The talker's codes, finish reason and the random-stream state it hands code2wav."""
+
+    async def upstream() -> AsyncIterator[ResponseFrame]:
+        for frame in frames:
+            yield frame
+        yield FinalFrame("stop")
+
+    request = StageRequest(
+        request_id=f"talk-{seed}-{cap}",
+        prompt="",
+        sampling=SamplingParams(seed=seed),
+        params=StageParams(talker_max_new_tokens=cap),
+    )
+    codes: list[int] = []
+    state, reason = None, ""
+    async for frame in engine.generate(StageInput(request=request, upstream=upstream())):
+        if isinstance(frame, TensorFrame) and frame.meta.get("kind") == CODES_KIND:
+            codes.extend(int(c) for c in frame.tensors["codes"])
+        elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == RNG_KIND:
+            state = np.asarray(frame.tensors["rng_state"])
+        elif isinstance(frame, FinalFrame):
+            reason = frame.finish_reason
+    assert state is not None
+    return codes, reason, state
+
+
+async def test_a_request_ending_on_its_eos_code_hands_code2wav_the_stream_as_its_last_draw_left_it(
+    serve: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched talker queues a request's next step before it reads the code that ends it (the host
+    reads a step behind the GPU). That step's draw must not reach code2wav, whose noise continues the
+    talker's random stream as in the whole model: the stream it gets is the seed's after exactly the draws
+    of the codes spoken and the end code."""
+    engine = serve.engine("talker")
+    frames = talker_input(engine, replies=4)
+    codes, reason, _ = await talk(engine, frames, seed=7, cap=8)
+    assert (reason, len(codes)) == ("length", 8)
+    end = next(i for i in range(2, 8) if codes[i] not in codes[:i])
+    # That code now ends speech (same seed, same rows: the same codes up to it).
+    monkeypatch.setitem(engine._generation, "eos_token_id", [codes[end]])
+    spoken, reason, state = await talk(engine, frames, seed=7, cap=8)
+    assert (reason, spoken) == ("stop", codes[:end])
+    # end + 1 draws: the prefill's, one per decode step before the end code, the end code's. Each is
+    # torch.multinomial's over one row of the codec vocabulary: one Exp(1) number per code.
+    stream = torch.Generator().manual_seed(7)
+    for _ in range(end + 1):
+        torch.empty((1, int(engine.model.codec_head.out_features))).exponential_(1, generator=stream)
+    assert np.array_equal(state, stream.get_state().numpy())
 
 
 async def test_a_client_going_away_frees_every_stage(serve: Served) -> None:

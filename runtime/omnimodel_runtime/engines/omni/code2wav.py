@@ -213,6 +213,7 @@ class ChunkPlan:
     vocoder_context: int
     first: int = 0  # the first chunk's size (default: ``chunk``)
     sizes: tuple[int, ...] = ()  # chunk sizes a stream that is behind may take, ascending (default: ``chunk``)
+    grow: bool = False  # a stream far enough ahead of real time waits for larger chunks (see _Chunked.window)
 
     @classmethod
     def from_args(cls, dit_config: Any, args: dict[str, Any]) -> ChunkPlan:
@@ -230,6 +231,7 @@ class ChunkPlan:
             vocoder_context=values["vocoder_context"],
             first=block * max(1, values["first_chunk_blocks"]),
             sizes=tuple(sizes),
+            grow=flag(args, "grow_chunks", default=True),
         )
 
     def vocoder_frames(self, repeats: int) -> set[int]:
@@ -548,6 +550,8 @@ class _Chunked:
         self.mel_start = 0  # global index of mel[..., 0] (older frames are dropped once vocoded)
         self.chunk_start = 0  # next chunk's first code
         self.voiced = 0  # mel frames whose audio has been sent
+        self.chunks = 0  # chunks run
+        self.first_audio = 0.0  # when the first audio left (monotonic clock), 0 before
 
     def push(self, frame: ResponseFrame) -> None:
         if isinstance(frame, FinalFrame):
@@ -576,7 +580,7 @@ class _Chunked:
             size = min(waiting, sizes[-1])
         else:
             fitting = [s for s in sizes if s + plan.lookahead <= waiting]
-            if not fitting:
+            if not fitting or (plan.grow and fitting[-1] < self._least(sizes)):
                 return None
             size = fitting[-1]
         end = min(start + size, len(codes))
@@ -593,6 +597,22 @@ class _Chunked:
         noise = self.noise.frames(lo * self.repeats, hi * self.repeats)[0]
         return _Window(codes=window, noise=noise, lo=lo, start=start, end=end)
 
+    def _least(self, sizes: tuple[int, ...]) -> int:
+        """The smallest chunk worth running now. Every DiT pass costs about the same whatever its chunk,
+        and a stream's passes share the GPU with the talker's steps, so fewer, larger chunks finish the audio
+        sooner; but waiting for codes must not let the listener run out of audio. So the n-th chunk after
+        the first waits for ``sizes[n-1]`` (doubling up to the largest) only while the audio already sent is
+        ahead of real time by at least that chunk's duration: gathering it takes less than that whenever the
+        talker is faster than real time. A stream that is not that far ahead runs what has arrived (as
+        without ``grow_chunks``)."""
+        want = sizes[min(max(self.chunks - 1, 0), len(sizes) - 1)]
+        if want == sizes[0] or not self.first_audio:
+            return sizes[0]
+        engine = self.engine
+        frame_s = engine._hop / SAMPLE_RATE
+        lead = self.voiced * frame_s - (time.monotonic() - self.first_audio)
+        return want if lead >= want * self.repeats * frame_s else sizes[0]
+
     def finish(self, window: _Window, out: torch.Tensor) -> None:
         """Keep the chunk's mel out of the window's DiT output ``out`` (1, mel_dim, frames), and vocode and
         send what has enough right context (everything at the end)."""
@@ -603,6 +623,7 @@ class _Chunked:
             keep = engine._stretched(self.stretch, keep, final=last)
         self.mel = torch.cat([self.mel, keep], dim=2)
         self.chunk_start = window.end
+        self.chunks += 1
         total = self.mel_start + self.mel.shape[2]
         ready = total if last else total - plan.vocoder_context
         if ready > self.voiced:
@@ -612,6 +633,7 @@ class _Chunked:
             audio = engine._vocoder(self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start])
             skip = (self.voiced - lo_m) * engine._hop
             engine._emit_audio(self.job, audio[skip : skip + (ready - self.voiced) * engine._hop])
+            self.first_audio = self.first_audio or time.monotonic()
             self.voiced = ready
             # Only the vocoder's left context is needed again.
             drop = max(0, self.voiced - plan.vocoder_context - self.mel_start)
