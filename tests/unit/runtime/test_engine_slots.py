@@ -67,6 +67,21 @@ def test_chunk_geometry_of_the_released_dit() -> None:
     assert small.vocoder_frames(2) == {72, 96}  # a 1-block first chunk is all right context: nothing to vocode
 
 
+def test_a_stream_ahead_of_real_time_waits_for_larger_chunks_and_one_that_is_not_runs_what_it_has() -> None:
+    plan = ChunkPlan.from_args(SimpleNamespace(block_size=24, repeats=2), {})
+    code = 0.02  # seconds of audio a code (2 mel frames of 240 samples at 24 kHz)
+    assert plan.grow
+    # The chunk after the first is the smallest; then 48 codes (0.96 s), then 96 (1.92 s) from then on,
+    # each only while the audio already sent leads real time by that chunk's duration.
+    assert [plan.least(n, 10.0, code) for n in range(1, 6)] == [24, 48, 96, 96, 96]
+    assert plan.least(2, 0.95, code) == 24
+    assert plan.least(2, 0.96, code) == 48
+    assert plan.least(3, 1.9, code) == 24  # not far enough ahead for 96 codes: no waiting
+    assert plan.least(3, -0.5, code) == 24  # behind real time
+    fixed = ChunkPlan.from_args(SimpleNamespace(block_size=24, repeats=2), {"grow_chunks": "false"})
+    assert [fixed.least(n, 10.0, code) for n in range(1, 6)] == [24] * 5
+
+
 def test_first_windows_wait_a_moment_for_a_stream_a_code_short_and_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
     from omnimodel_runtime.engines.omni import code2wav
 

@@ -234,6 +234,21 @@ class ChunkPlan:
             grow=flag(args, "grow_chunks", default=True),
         )
 
+    def least(self, chunks: int, lead: float, code_seconds: float) -> int:
+        """The smallest chunk (codes) a stream that has run ``chunks`` chunks and whose audio sent is ``lead``
+        seconds ahead of real time should run next (it waits for more codes until then).
+
+        Every DiT pass costs about the same whatever its chunk, and a stream's passes share the GPU with the
+        talker's steps, so fewer, larger chunks finish the audio sooner; but waiting for codes must not let
+        the listener run out of audio. With ``grow``, the n-th chunk after the first waits for ``sizes[n-1]``
+        (doubling up to the largest) only while the audio sent is ahead of real time by at least that
+        chunk's duration (``code_seconds`` a code): gathering it takes less than that whenever the talker is
+        faster than real time. Otherwise it runs what has arrived (a chunk of the smallest size, or larger
+        when that much is waiting)."""
+        sizes = self.sizes or (self.chunk,)
+        want = sizes[min(max(chunks - 1, 0), len(sizes) - 1)]
+        return want if self.grow and lead >= want * code_seconds else sizes[0]
+
     def vocoder_frames(self, repeats: int) -> set[int]:
         """Mel lengths (frames) BigVGAN gets for a stream's chunks away from its end, at ``repeats`` mel
         frames a code (time-stretched speech aside): the first chunk's mel (when it leaves more than the
@@ -580,7 +595,7 @@ class _Chunked:
             size = min(waiting, sizes[-1])
         else:
             fitting = [s for s in sizes if s + plan.lookahead <= waiting]
-            if not fitting or (plan.grow and fitting[-1] < self._least(sizes)):
+            if not fitting or fitting[-1] < self._least():
                 return None
             size = fitting[-1]
         end = min(start + size, len(codes))
@@ -597,21 +612,11 @@ class _Chunked:
         noise = self.noise.frames(lo * self.repeats, hi * self.repeats)[0]
         return _Window(codes=window, noise=noise, lo=lo, start=start, end=end)
 
-    def _least(self, sizes: tuple[int, ...]) -> int:
-        """The smallest chunk worth running now. Every DiT pass costs about the same whatever its chunk,
-        and a stream's passes share the GPU with the talker's steps, so fewer, larger chunks finish the audio
-        sooner; but waiting for codes must not let the listener run out of audio. So the n-th chunk after
-        the first waits for ``sizes[n-1]`` (doubling up to the largest) only while the audio already sent is
-        ahead of real time by at least that chunk's duration: gathering it takes less than that whenever the
-        talker is faster than real time. A stream that is not that far ahead runs what has arrived (as
-        without ``grow_chunks``)."""
-        want = sizes[min(max(self.chunks - 1, 0), len(sizes) - 1)]
-        if want == sizes[0] or not self.first_audio:
-            return sizes[0]
-        engine = self.engine
-        frame_s = engine._hop / SAMPLE_RATE
-        lead = self.voiced * frame_s - (time.monotonic() - self.first_audio)
-        return want if lead >= want * self.repeats * frame_s else sizes[0]
+    def _least(self) -> int:
+        """The smallest chunk worth running now (:meth:`ChunkPlan.least`)."""
+        frame_s = self.engine._hop / SAMPLE_RATE
+        lead = self.voiced * frame_s - (time.monotonic() - self.first_audio) if self.first_audio else 0.0
+        return self.plan.least(self.chunks, lead, self.repeats * frame_s)
 
     def finish(self, window: _Window, out: torch.Tensor) -> None:
         """Keep the chunk's mel out of the window's DiT output ``out`` (1, mel_dim, frames), and vocode and
