@@ -108,3 +108,33 @@ def test_first_windows_wait_a_moment_for_a_stream_a_code_short_and_no_longer(mon
     assert not engine._gathering(first, [ready, behind])  # waited long enough: go without it
     steady = [(stream(80, start=24).state, SimpleNamespace(start=24))]
     assert not engine._gathering(steady, [ready, behind])  # only first windows wait
+
+
+def test_a_stream_s_next_window_waits_for_the_larger_chunk_only_while_its_audio_leads_real_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from omnimodel_runtime.engines.omni import code2wav
+
+    dit = SimpleNamespace(block_size=24, repeats=2)
+    monkeypatch.setattr(code2wav.time, "monotonic", lambda: 100.0)
+
+    def stream(plan: ChunkPlan, *, waiting: int, audio_s: float, since_first_audio_s: float) -> Any:
+        state = code2wav._Chunked.__new__(code2wav._Chunked)
+        state.plan, state.repeats, state.ended = plan, 2, False
+        state.engine = SimpleNamespace(_hop=240, device="cpu")  # 10 ms a mel frame at 24 kHz
+        state.noise = code2wav.PagedNoise(0, 24, 4, "cpu")
+        state.codes, state.chunk_start, state.chunks = [0] * (48 + waiting), 48, 2  # two chunks run
+        state.voiced, state.first_audio = round(audio_s * 100), 100.0 - since_first_audio_s
+        return state
+
+    def chunk(state: Any) -> int | None:
+        window = state.window()
+        return None if window is None else window.end - window.start
+
+    grow = ChunkPlan.from_args(dit, {})
+    # 40 codes waiting: a 24-code chunk and its look-ahead are here, a 48-code one's are not.
+    assert chunk(stream(grow, waiting=40, audio_s=2.0, since_first_audio_s=0.5)) is None  # 1.5 s ahead: wait
+    assert chunk(stream(grow, waiting=60, audio_s=2.0, since_first_audio_s=0.5)) == 48  # ... until it is here
+    assert chunk(stream(grow, waiting=40, audio_s=2.0, since_first_audio_s=1.5)) == 24  # 0.5 s ahead: go
+    fixed = ChunkPlan.from_args(dit, {"grow_chunks": False})
+    assert chunk(stream(fixed, waiting=40, audio_s=2.0, since_first_audio_s=0.5)) == 24
