@@ -213,7 +213,7 @@ class ChunkPlan:
     vocoder_context: int
     first: int = 0  # the first chunk's size (default: ``chunk``)
     sizes: tuple[int, ...] = ()  # chunk sizes a stream that is behind may take, ascending (default: ``chunk``)
-    grow: bool = False  # a stream far enough ahead of real time waits for larger chunks (see _Chunked.window)
+    grow: bool = False  # a stream far enough ahead of real time waits for larger chunks (see least)
 
     @classmethod
     def from_args(cls, dit_config: Any, args: dict[str, Any]) -> ChunkPlan:

@@ -336,12 +336,11 @@ class OmniTalkerEngine(OmniEngine):
             )
             return True
         row.length = call.prompt_len
-        row.last = int(out.sequences[0, -1])
         deltas = getattr(self.model, "rope_deltas", None)
         row.delta = int(deltas.reshape(-1)[0]) if isinstance(deltas, torch.Tensor) else 0
         slot = self._slots.take(row)
         self._slots.decoder.load(slot, out.past_key_values, row.length)
-        self._codes[slot].fill_(row.last)
+        self._codes[slot].copy_(out.sequences[0, -1])
         history = out.sequences[0]
         self._ids[slot].fill_(int(history[0]))
         self._ids[slot, : history.shape[0]].copy_(history)
@@ -386,7 +385,10 @@ class OmniTalkerEngine(OmniEngine):
         for processor in self._processors:  # what LogitsProcessorList does with two-argument processors
             scores = processor(history, scores)
         if self._sample:
-            picks = self._draw(torch.softmax(scores, dim=-1), [rows[i] for i in ready])
+            generators = [rows[i].generator for i in ready]
+            picks, before = draw(torch.softmax(scores, dim=-1), generators)  # type: ignore[arg-type]
+            for i, state in zip(ready, before, strict=True):
+                rows[i].before = state
         else:
             picks = scores.argmax(dim=-1)
         self._codes.index_copy_(0, picked, picks)
@@ -414,20 +416,6 @@ class OmniTalkerEngine(OmniEngine):
             # (the prefill sampled one code, each step one more).
             row.final = row.length + 1 >= capacity or 1 + row.steps >= row.call.criterion.limit
         return step
-
-    def _draw(self, probs: torch.Tensor, rows: list[_TalkerRow]) -> torch.Tensor:
-        """One sample per row from its own generator: ``torch.multinomial(probs[k], 1)``'s own algorithm
-        (``argmax(p / q)``, ``q ~ Exp(1)``, drawn on a tensor of the row's shape, so the same numbers),
-        without its validity check, which waits for the device in the torch releases that read it back.
-        Each generator's state before its draw is kept: a request found to have ended on the step before
-        reports that state, as if this draw never happened."""
-        noise = []
-        for k, row in enumerate(rows):
-            assert row.generator is not None
-            row.before = row.generator.get_state()
-            noise.append(torch.empty_like(probs[k : k + 1]).exponential_(1, generator=row.generator))
-        picks: torch.Tensor = (probs / torch.cat(noise)).argmax(dim=-1)
-        return picks
 
     def _collect(self, step: _Step) -> list[_TalkerRow]:
         """Stream the codes ``step`` sampled (waiting for the step if it is still running); the rows whose
@@ -484,6 +472,19 @@ class OmniTalkerEngine(OmniEngine):
             self._pending = None
 
 
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One sample per row of ``probs`` from that row's generator, and each generator's state before its draw.
+
+    ``torch.multinomial(probs[k : k + 1], 1)``'s own algorithm (``argmax(p / q)``, ``q ~ Exp(1)`` drawn on a
+    tensor of the row's shape, so the same numbers), without its validity check, which waits for the
+    device in the torch releases that read it back. The states let a request found to have ended on the
+    step before report its stream as if this draw never happened."""
+    before = [gen.get_state() for gen in generators]
+    noise = [torch.empty_like(probs[k : k + 1]).exponential_(1, generator=gen) for k, gen in enumerate(generators)]
+    picks: torch.Tensor = (probs / torch.cat(noise)).argmax(dim=-1)
+    return picks, before
+
+
 @dataclass(eq=False, kw_only=True)
 class _Call:
     """What ``generate()`` gets for one request, and what its decode steps continue from."""
@@ -538,7 +539,6 @@ class _TalkerRow:
     call: _Call | None = None
     generator: torch.Generator | None = None
     length: int = 0
-    last: int = 0  # the prefill's code (the device's code table has the later ones)
     delta: int = 0
     history: int = 0
     steps: int = 0  # decode steps queued
