@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +56,10 @@ for section in "$@"; do
       for size in ${T2I_PARTS_SIZES:-1024}; do
         python3 bench/t2i_parts.py --model /dev/shm/qwen-image --size "$size" --out "$OUT/t2i-qwen-image-parts-$size-h200.json" || status=1
       done
+      ;;
+    t2i-kernels)
+      python3 bench/t2i_kernels.py --size "${T2I_KERNELS_SIZE:-1024}" ${T2I_KERNELS_VARIANTS:+--variants "$T2I_KERNELS_VARIANTS"} \
+        --out "$OUT/t2i-qwen-image-kernels-${T2I_KERNELS_SIZE:-1024}-h200.json" || status=1
       ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac

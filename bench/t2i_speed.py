@@ -1,7 +1,7 @@
 """The text-to-image engine's speed options on one pipeline, in one process: eager (diffusers as it is), then
 the engine's ``cache`` and ``compile`` options applied by the engine's own code (``_speed_up``), each timed
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
-``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``.
+``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``; ``fuse``: ``fuse_blocks``.
 ``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
 engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group
 on the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike;
@@ -31,6 +31,7 @@ from diffusers import DiffusionPipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
+from omnimodel_runtime.engines.t2i.fused import unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
@@ -186,6 +187,8 @@ def main() -> None:
                 engine_args["cache_scope"] = "blocks"
         if "regional" in variant:
             engine_args["compile"] = "regional"
+        if "fuse" in variant:
+            engine_args["fuse_blocks"] = True
         for backend in ("cudnn", "flash", "efficient"):
             if backend in variant:
                 engine_args["attention"] = backend
@@ -217,6 +220,8 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         if engine_args.get("cache"):
             pipe.transformer.disable_cache()
+        if engine_args.get("fuse_blocks"):
+            unfuse_blocks(pipe.transformer)
         if engine_args.get("attention"):  # the next group picks its own kernel again
             pipe.transformer.set_attention_backend("native")
         for block in pipe.transformer.modules():  # undo compile: regional (module call or the blocks' forward)

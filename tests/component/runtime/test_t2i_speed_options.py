@@ -1,6 +1,6 @@
-"""The text-to-image engine's speed options (``engine_args``: ``attention``, ``cache``) on the tiny Qwen-Image
-pipeline on CPU, applied by the engine's own code to diffusers' pipeline: what each one changes, and that
-it is refused by name when misspelt. (``compile: regional`` and ``cfg_batch`` have their GPU figures in
+"""The text-to-image engine's speed options (``engine_args``: ``attention``, ``cache``, ``fuse_blocks``) on the
+tiny Qwen-Image pipeline on CPU, applied by the engine's own code to diffusers' pipeline: what each one changes,
+and that it is refused by name when misspelt. (``compile: regional`` and ``cfg_batch`` have their GPU figures in
 bench/README.md; ``cfg_batch`` is tested through the engine in test_t2i_engine.py.)"""
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import torch
 from stage_engines import diffusers_pipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.families import QwenImageFamily
+from omnimodel_runtime.engines.t2i.fused import fuse_blocks, unfuse_blocks
+from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 
 pytestmark = pytest.mark.engine
 
@@ -165,3 +168,54 @@ def test_compiled_blocks_under_the_block_cache_draw_the_eager_cached_image(pipe:
     assert compiled >= 1
     diff = np.abs(compiled_cached - eager_cached)
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # measured: 0
+
+
+@pytest.fixture
+def fused(pipe: Any) -> Iterator[Any]:
+    """``fuse_blocks`` on the module's pipeline, undone afterwards for the other tests."""
+    speed_up(pipe, fuse_blocks=True)
+    try:
+        yield pipe
+    finally:
+        unfuse_blocks(pipe.transformer)
+
+
+def test_fused_blocks_draw_diffusers_image(fused: Any, exact: np.ndarray) -> None:
+    # The rotation in real arithmetic and the MLP's product + GELU as one op: on CPU in float32 the same
+    # operations in the same order (the GPU's epilogue rounds once less; bench/t2i_kernels.py states it).
+    assert {type(p).__name__ for p in fused.transformer.attn_processors.values()} == {"FusedDoubleStreamProcessor"}
+    assert np.array_equal(image(fused), exact)
+
+
+@pytest.fixture
+def text_lengths(pipe: Any) -> Iterator[list[Any]]:
+    """The ``text_lengths`` attention kwarg of every call of the first block's attention."""
+    seen: list[Any] = []
+
+    def record(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        seen.append(kwargs.get("text_lengths"))
+
+    handle = pipe.transformer.transformer_blocks[0].attn.register_forward_pre_hook(record, with_kwargs=True)
+    yield seen
+    handle.remove()
+
+
+def test_fused_blocks_under_cfg_batch_attend_each_branch_over_its_own_prompt(
+    fused: Any, exact: np.ndarray, text_lengths: list[Any]
+) -> None:
+    # The positive prompt is longer than the negative " ": one call a step on [positive; negative], the
+    # negative right-padded; each row attends unmasked over its real tokens, as its own call would.
+    with BatchedGuidance(fused, QwenImageFamily().merge_guidance) as guidance:
+        got = image(fused)
+    assert guidance.batched_calls == guidance.answered_calls == STEPS
+    (lengths,) = set(text_lengths)
+    positive = fused.encode_prompt(PROMPT, device="cpu")[0].shape[1]
+    negative = fused.encode_prompt(" ", device="cpu")[0].shape[1]
+    assert lengths == (positive, negative) and positive > negative
+    diff = np.abs(got - exact)
+    assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # batched products' rounding
+
+
+def test_fusing_a_transformer_without_qwen_image_blocks_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"engine_args\.fuse_blocks"):
+        fuse_blocks(SimpleNamespace(transformer_blocks=[SimpleNamespace(attn=None)]))

@@ -44,6 +44,11 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   ``_native_flash``, ``_native_efficient``) instead of letting PyTorch pick per call (its flash kernel
   takes no mask, so ``cfg_batch`` with prompts of different lengths gets another one). A kernel that
   cannot serve a call fails it; bench/t2i_speed.py measures what each one buys.
+- ``fuse_blocks: true`` (Qwen-Image) runs the transformer blocks through
+  :mod:`~omnimodel_runtime.engines.t2i.fused`: the rotary embedding in real arithmetic (inductor fuses it;
+  diffusers' complex form falls back to eager kernels), the MLP's GELU in the matrix product's epilogue,
+  and with ``cfg_batch`` each guidance branch attending unmasked over its own prompt length. The same
+  arithmetic, other rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
 - ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
   ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
   the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
@@ -328,6 +333,11 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             raise ValueError("engine_args.compile: regional does not combine with cache: first_block")
         if attention not in (None, "", "native"):
             transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
+        fuse = str(args.get("fuse_blocks", False)).lower() not in ("0", "false", "no", "off", "")
+        if fuse:
+            from omnimodel_runtime.engines.t2i.fused import fuse_blocks  # noqa: PLC0415
+
+            fuse_blocks(transformer)  # before the compile below: the compiled code is the fused blocks'
         block_cache = cache == "taylorseer" and scope == "blocks"
         blocks = repeated_blocks(transformer) if block_cache else []
         if compiled:
@@ -358,14 +368,15 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             else:
                 config = diffusers.FirstBlockCacheConfig(threshold=float(args.get("cache_threshold", 0.08)))
             transformer.enable_cache(config)
-        if any(value not in (None, "", "none", "native") for value in (cache, mode, attention)):
+        if fuse or any(value not in (None, "", "none", "native") for value in (cache, mode, attention)):
             log.info(
-                "Transformer of stage %s: compile=%s cache=%s (%s) attention=%s",
+                "Transformer of stage %s: compile=%s cache=%s (%s) attention=%s fuse_blocks=%s",
                 self.stage.name,
                 mode,
                 cache,
                 scope,
                 attention,
+                fuse,
             )
 
     def _dummy_inputs(self, side: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -41,6 +41,8 @@ from typing import Any, ClassVar, Final
 import numpy as np
 import torch
 
+from omnimodel_runtime.engines.t2i.guidance import TEXT_LENGTHS
+
 ENCODE_COMPONENTS: Final = ("text_encoder", "tokenizer")
 DENOISE_COMPONENTS: Final = ("transformer", "scheduler")
 DECODE_COMPONENTS: Final = ("vae",)
@@ -215,10 +217,13 @@ class Family(abc.ABC):
             )
         return out
 
-    def merge_guidance(self, positive: Mapping[str, Any], negative: tuple[Any, ...]) -> dict[str, Any] | None:
+    def merge_guidance(
+        self, positive: Mapping[str, Any], negative: tuple[Any, ...], *, text_lengths: bool = False
+    ) -> dict[str, Any] | None:
         """The transformer kwargs of one call on ``[positive; negative]`` rows (``cfg_batch``), from the
         pipeline's positive call and its ``encode_prompt`` result for the negative prompt; ``None`` where
-        this family cannot merge them (the call then runs as the pipeline makes it)."""
+        this family cannot merge them (the call then runs as the pipeline makes it). ``text_lengths``: the
+        transformer's blocks take each row's real prompt length as an attention kwarg (``fuse_blocks``)."""
         return None
 
     def guidance_kwargs(self, *, cfg: bool, true_cfg_scale: float, guidance_scale: float | None) -> dict[str, Any]:
@@ -331,7 +336,9 @@ class QwenImageFamily(Family):
         }
     )
 
-    def merge_guidance(self, positive: Mapping[str, Any], negative: tuple[Any, ...]) -> dict[str, Any] | None:
+    def merge_guidance(
+        self, positive: Mapping[str, Any], negative: tuple[Any, ...], *, text_lengths: bool = False
+    ) -> dict[str, Any] | None:
         if not set(positive) <= self._CALL_KEYS or len(negative) != 2:
             return None
         embeds, mask = positive["encoder_hidden_states"], positive.get("encoder_hidden_states_mask")
@@ -350,6 +357,11 @@ class QwenImageFamily(Family):
             both, both_mask = pad_and_mask([(embeds, mask), (neg_embeds, neg_mask)], embeds.device)
             merged["encoder_hidden_states"] = both
             merged["encoder_hidden_states_mask"] = both_mask
+            if text_lengths and mask is None and neg_mask is None:
+                # Each row is its prompt then padding: fused blocks attend per row over its real tokens
+                # (engines/t2i/fused.py) instead of through the mask.
+                lengths = (int(embeds.shape[1]),) * embeds.shape[0] + (int(neg_embeds.shape[1]),) * embeds.shape[0]
+                merged["attention_kwargs"] = {**(positive.get("attention_kwargs") or {}), TEXT_LENGTHS: lengths}
         merged["hidden_states"] = torch.cat([latents, latents])
         merged["timestep"] = torch.cat([positive["timestep"], positive["timestep"]])
         if positive.get("guidance") is not None:

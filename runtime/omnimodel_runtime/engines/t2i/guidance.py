@@ -18,14 +18,20 @@ a pipeline that calls in another order, or without guidance, is still right, onl
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 
-# Returns the transformer kwargs of one call on both branches, or None where the family cannot merge them.
-Merge = Callable[[Mapping[str, Any], tuple[Any, ...]], dict[str, Any] | None]
+# Returns the transformer kwargs of one call on both branches, or None where the family cannot merge them
+# (keyword ``text_lengths``: whether the transformer's blocks take each row's prompt length).
+Merge = Callable[..., dict[str, Any] | None]
+
+# The attention kwarg with each row's real prompt length, and the attribute set on a transformer whose
+# blocks take it (engines/t2i/fused.py).
+TEXT_LENGTHS: Final = "text_lengths"
+TAKES_TEXT_LENGTHS: Final = "omnimodel_takes_text_lengths"
 
 _MISSING: Final = object()
 
@@ -98,7 +104,7 @@ class BatchedGuidance:
             return self._forward(**kwargs)
         if self._negative is None or kwargs.get("return_dict", True) or not isinstance(latents, torch.Tensor):
             return self._forward(**kwargs)
-        merged = self._merge(kwargs, self._negative)
+        merged = self._merge(kwargs, self._negative, text_lengths=getattr(self._transformer, TAKES_TEXT_LENGTHS, False))
         if merged is None:
             return self._forward(**kwargs)
         both = self._forward(**merged)[0]
