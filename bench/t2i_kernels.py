@@ -12,6 +12,7 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
   branches as ``cfg_batch`` makes it (the negative prompt of ``--negative-tokens`` right-padded and
   masked; with ``fuse``, the rows' lengths passed as the family passes them): ``call_ms_p50`` is that
   call, ``per_branch_ms`` half of it, and the max |diff| is each row's against eager's call on that branch;
+- ``gpu``: the SM clock and board power while each variant's calls ran (``nvidia-smi``), and idle;
 - ``gelu_epilogue``: ``linear_gelu`` (cuBLASLt's GELU epilogue) against the unfused product and tanh GELU
   in fp32 and bf16, on the MLP's shape (a GELU other than the tanh one would show as ~1e-3);
 - ``kernels``: each variant's kernels under ``torch.profiler``, grouped (matmul, attention,
@@ -23,11 +24,13 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +100,30 @@ def floor(config: Any, image_tokens: int, text_tokens: int, runs: int) -> dict[s
     out["matmul_tflops_per_s"] = round(2 * (image_tokens + text_tokens) * 12 * dim * dim / (block * 1e-3) / 1e12, 1)
     out["attention_tflops_per_s"] = round(4 * s * s * dim / (attention * 1e-3) / 1e12, 1)
     return out
+
+
+@contextlib.contextmanager
+def gpu_clocks(into: dict[str, Any]) -> Iterator[None]:
+    """The SM clock and board power ``nvidia-smi`` samples every 100 ms while the block runs: medians into
+    ``into`` (a GPU at its power limit runs its kernels at a lower clock)."""
+    query = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit"
+    sampler = subprocess.Popen(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield
+    finally:
+        sampler.terminate()
+        out, _ = sampler.communicate()
+    rows = []
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):  # "[N/A]" where a board does not report a field
+            rows.append([float(v) for v in line.split(",")])
+    rows = [r for r in rows if len(r) == 4]
+    if rows:
+        for i, name in enumerate(("sm_clock_mhz", "max_sm_clock_mhz", "power_w", "power_limit_w")):
+            into[f"{name}_p50"] = statistics.median(r[i] for r in rows)
+        into["samples"] = len(rows)
 
 
 def gelu_check(config: Any) -> dict[str, Any]:
@@ -199,6 +226,9 @@ def main() -> None:
         "results": {"floor": floor(config, side * side, args.prompt_tokens, args.runs), "variants": {}},
     }
     report["results"]["gelu_epilogue"] = gelu_check(config)
+    report["results"]["gpu_idle"] = {}
+    with gpu_clocks(report["results"]["gpu_idle"]):
+        time.sleep(1.0)  # a second of nothing: the idle clock and power to compare with
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     references: dict[int, torch.Tensor] = {}
     torch._dynamo.config.recompile_limit = 64
@@ -229,7 +259,9 @@ def main() -> None:
         first = call()
         torch.cuda.synchronize()
         row: dict[str, Any] = {"first_call_s": round(time.perf_counter() - t0, 1)}
-        row["call_ms_p50"] = round(cuda_ms(call, args.runs, warmup=1), 2)
+        row["gpu"] = {}
+        with gpu_clocks(row["gpu"]):
+            row["call_ms_p50"] = round(cuda_ms(call, args.runs, warmup=1), 2)
         row["per_branch_ms"] = round(row["call_ms_p50"] / len(branches), 2)
         row["max_abs_diff_vs_eager"] = [
             round(float((first[i].float() - references[i][0]).abs().max()), 5) for i in range(len(branches))
