@@ -219,3 +219,29 @@ def test_fused_blocks_under_cfg_batch_attend_each_branch_over_its_own_prompt(
 def test_fusing_a_transformer_without_qwen_image_blocks_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"engine_args\.fuse_blocks"):
         fuse_blocks(SimpleNamespace(transformer_blocks=[SimpleNamespace(attn=None)]))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_fused_blocks_under_cfg_batch_compile_whole_and_draw_the_exact_image(
+    pipe: Any, exact: np.ndarray, text_lengths: list[Any]
+) -> None:
+    # What the GPU runs: fuse_blocks + compile: regional + cfg_batch. fullgraph=True, so a graph break in
+    # the fused processor (the per-row split, the custom GELU op) fails the call instead of running eagerly;
+    # and no complex tensor reaches inductor (it would warn, and pytest turns warnings into errors).
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    speed_up(pipe, fuse_blocks=True, compile="regional")
+    try:
+        with BatchedGuidance(pipe, QwenImageFamily().merge_guidance) as guidance:
+            got = image(pipe)
+        compiled = counters["stats"]["unique_graphs"] - graphs
+    finally:
+        unfuse_blocks(pipe.transformer)
+        for block in pipe.transformer.transformer_blocks:
+            block._compiled_call_impl = None  # the eager module call again, for the other tests
+    assert compiled >= 1
+    assert guidance.batched_calls == STEPS
+    assert len(set(text_lengths)) == 1 and None not in text_lengths
+    diff = np.abs(got - exact)
+    assert diff.max() <= 1, f"max pixel difference {diff.max()}"
