@@ -1,7 +1,8 @@
 """``fuse_blocks`` (engine arg, Qwen-Image): the transformer blocks' work in fewer GPU passes, the same
-arithmetic. Where a 1024² call's 133 ms went under ``compile: regional`` (bench/t2i_kernels.py on the H200):
-matrix products 87 ms, attention 27 ms, fused elementwise kernels 15 ms, eager fallbacks 5 ms. Three changes,
-each removing a pass over the activations or a read of the weights:
+arithmetic. Where a 1024² call's 135 ms went under ``compile: regional`` (bench/t2i_kernels.py on the H200,
+bench/results/t2i-qwen-image-kernels-1024-h200.json): matrix products 91 ms, attention 29 ms, fused
+elementwise kernels 13 ms, eager fallbacks 5 ms. Three changes, each removing a pass over the activations or
+a read of the weights:
 
 - **RoPE in real arithmetic** (:func:`rotate`). diffusers rotates queries and keys as complex numbers;
   inductor generates no code for complex tensors, so under ``torch.compile`` each complex op ran as its own
@@ -13,7 +14,8 @@ each removing a pass over the activations or a read of the weights:
   GELU then acts on the fp32 accumulator rather than its bf16 rounding: a rounding difference.
 - **Guidance branches attend over their own prompt lengths.** With ``cfg_batch`` the positive and
   negative prompts are right-padded to one length and diffusers masks the padding, which takes PyTorch off
-  its fastest attention kernel (no mask: cuDNN 0.36 ms a block at 1024²; masked: 1.25 ms). Given the
+  its fastest attention kernel (cuDNN's, which it picks for unmasked calls: 84 ms of attention a batched
+  1024² call masked, 57 ms split as below, 29 ms a branch alone). Given the
   branches' lengths (``attention_kwargs['text_lengths']``, which the Qwen-Image family passes when it pads
   unmasked prompts), each sample attends unmasked over its real text tokens and the image: for every real
   token the same attention as the branch's own call; padded text positions get zeros, and nothing reads
