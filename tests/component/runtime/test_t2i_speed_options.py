@@ -245,3 +245,30 @@ def test_compiled_fused_blocks_under_cfg_batch_compile_whole_and_draw_the_exact_
     assert len(set(text_lengths)) == 1 and None not in text_lengths
     diff = np.abs(got - exact)
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"
+
+
+def test_fused_cfg_batch_of_several_images_gives_each_row_its_own_prompt_length(
+    fused: Any, text_lengths: list[Any]
+) -> None:
+    # Two images of one request: rows [positive, positive, negative, negative], each with its length.
+    def two() -> np.ndarray:
+        out = fused(
+            PROMPT,
+            negative_prompt=" ",
+            true_cfg_scale=4.0,
+            width=64,
+            height=64,
+            num_inference_steps=STEPS,
+            num_images_per_prompt=2,
+            generator=[torch.Generator("cpu").manual_seed(s) for s in (5, 6)],
+            output_type="np",
+        ).images
+        return np.asarray((out * 255).round()).astype(np.int16)
+
+    sequential = two()
+    with BatchedGuidance(fused, QwenImageFamily().merge_guidance):
+        batched = two()
+    positive, negative = (fused.encode_prompt(p, device="cpu")[0].shape[1] for p in (PROMPT, " "))
+    assert set(text_lengths) == {None, (positive, positive, negative, negative)}
+    diff = np.abs(batched - sequential)
+    assert diff.max() <= 1, f"max pixel difference {diff.max()}"
