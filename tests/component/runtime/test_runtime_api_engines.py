@@ -209,3 +209,27 @@ async def test_one_out_of_vocabulary_request_among_eight_good_ones_fails_alone(
     ((_, body),) = params
     assert isinstance(body, dict)
     assert body.get("param") == "prompt", body
+
+
+@pytest.mark.vllm
+async def test_vllm_on_cpu_gets_a_kv_budget_in_bytes_unless_the_stage_sets_one() -> None:
+    # A share of memory depends on the node's size and the worker's own RSS (on a 13.6 GiB node a 0.05
+    # share came out negative in CI and vLLM refused to start); a budget in bytes does not.
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from omnimodel_runtime.engines.text.vllm import CPU_KV_CACHE_BYTES, VllmTextEngine
+
+    (stage,) = serve_pipeline("text", "tiny://text", engines=["vllm"], device="cpu").stages
+
+    def args_of(**engine_args: object) -> dict[str, object]:
+        staged = stage.model_copy(update={"engine_args": engine_args})
+        context = EngineContext(stage=staged, model_dir=Path("/models/x"), settings=RuntimeSettings(device="cpu"))
+        return VllmTextEngine(context).engine_args()
+
+    default = args_of()
+    assert default["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert "gpu_memory_utilization" not in default
+    AsyncEngineArgs(**default)  # every name is one vLLM takes
+    share = args_of(gpu_memory_utilization=0.2)
+    assert share["gpu_memory_utilization"] == 0.2 and "kv_cache_memory_bytes" not in share
+    assert args_of(kv_cache_memory_bytes=1 << 30)["kv_cache_memory_bytes"] == 1 << 30

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
@@ -37,15 +37,17 @@ from omnimodel_runtime.protocol.stage import (
 
 log = logging.getLogger(__name__)
 
-# What vLLM needs to run a small model on CPU (docs/reference/PIPELINE-NOTES.md): fp32, eager mode, a small KV budget
-# (gpu_memory_utilization means a share of CPU memory there) and a short context. Stage engine_args
-# override any of these; on GPUs vLLM's own defaults apply.
+# What vLLM needs to run a small model on CPU (docs/reference/PIPELINE-NOTES.md): fp32, eager mode, a short
+# context and a KV budget. Stage engine_args override any of these; on GPUs vLLM's own defaults apply.
 CPU_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
-    "gpu_memory_utilization": 0.05,
     "max_model_len": 2048,
 }
+# The KV budget on CPU, in bytes, unless the stage sets its own (this or gpu_memory_utilization). Not a share
+# of memory: vLLM's CPU worker sizes a share as share x the NUMA node's memory minus the worker's own RSS,
+# and with 0.05 on a 13.6 GiB node a worker of RSS 0.75 GiB got a negative budget and refused to start (CI).
+CPU_KV_CACHE_BYTES: Final = 512 * 1024**2
 
 
 class VllmTextEngine(Engine):
@@ -65,6 +67,8 @@ class VllmTextEngine(Engine):
         args: dict[str, Any] = {}
         if resolve_device(self.context.settings.device) == "cpu":
             args.update(CPU_DEFAULTS)
+            if not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(self.stage.engine_args):
+                args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         args.update(self.stage.engine_args)
         args["model"] = str(self.context.model_dir)
         args.setdefault("disable_log_stats", True)
