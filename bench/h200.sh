@@ -59,7 +59,8 @@ for section in "$@"; do
       ;;
     t2i-kernels)
       python3 bench/t2i_kernels.py --size "${T2I_KERNELS_SIZE:-1024}" ${T2I_KERNELS_VARIANTS:+--variants "$T2I_KERNELS_VARIANTS"} \
-        --out "$OUT/t2i-qwen-image-kernels-${T2I_KERNELS_SIZE:-1024}-h200.json" || status=1
+        ${T2I_KERNELS_SUSTAIN:+--sustain "$T2I_KERNELS_SUSTAIN"} \
+        --out "$OUT/${T2I_KERNELS_OUT:-t2i-qwen-image-kernels-${T2I_KERNELS_SIZE:-1024}-h200.json}" || status=1
       ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac

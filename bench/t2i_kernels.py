@@ -13,6 +13,12 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
   masked; with ``fuse``, the rows' lengths passed as the family passes them): ``call_ms_p50`` is that
   call, ``per_branch_ms`` half of it, and the max |diff| is each row's against eager's call on that branch;
 - ``gpu``: the SM clock and board power while each variant's calls ran (``nvidia-smi``), and idle;
+- ``sustained`` (``--sustain SECONDS``): the board at its power limit clocks down after a few calls, so
+  short timings flatter it. Back-to-back calls for that long, the p50 of the second half's calls and the
+  clocks meanwhile: for each variant, and for ``floor_chain``, the irreducible part of a ``cfg_batch``
+  call (every block's own image and text products with its own weights and biases, and one cuDNN attention
+  per branch over its own length; no norms, no modulation, no rotation), what the exact path costs if all
+  other work were free;
 - ``gelu_epilogue``: ``linear_gelu`` (cuBLASLt's GELU epilogue) against the unfused product and tanh GELU
   in fp32 and bf16, on the MLP's shape (a GELU other than the tanh one would show as ~1e-3);
 - ``kernels``: each variant's kernels under ``torch.profiler``, grouped (matmul, attention,
@@ -126,6 +132,57 @@ def gpu_clocks(into: dict[str, Any]) -> Iterator[None]:
         into["samples"] = len(rows)
 
 
+def sustained(fn: Callable[[], Any], seconds: float) -> dict[str, Any]:
+    """``fn`` back to back for ``seconds``: the p50 of the second half's calls (CUDA events) and the clocks."""
+    times: list[float] = []
+    row: dict[str, Any] = {"gpu": {}}
+    with gpu_clocks(row["gpu"]):
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    late = times[len(times) // 2 :]
+    row.update({"calls": len(times), "call_ms_p50": round(statistics.median(late), 2)})
+    row["call_ms_first_p50"] = round(statistics.median(times[: max(1, min(5, len(times)))]), 2)
+    return row
+
+
+def floor_chain(model: Any, image: torch.Tensor, branches: list[torch.Tensor]) -> Callable[[], Any]:
+    """The irreducible work of one ``cfg_batch`` call (module docstring, ``sustained``): the blocks'
+    products with their own weights, and each branch's attention over its own text length."""
+    dim = model.config.num_attention_heads * model.config.attention_head_dim
+    heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
+    rows = len(branches)
+    x = torch.randn(rows * image.shape[1], dim, device="cuda", dtype=torch.bfloat16)
+    width = max(b.shape[1] for b in branches)
+    xt = torch.randn(rows * width, dim, device="cuda", dtype=torch.bfloat16)
+    qkv = [
+        torch.randn(1, heads, image.shape[1] + b.shape[1], head_dim, device="cuda", dtype=torch.bfloat16)
+        for b in branches
+    ]
+
+    def run() -> None:
+        with torch.inference_mode(), torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            for block in model.transformer_blocks:
+                a = block.attn
+                for stream, (q, k, v, o), mlp in (
+                    (x, (a.to_q, a.to_k, a.to_v, a.to_out[0]), block.img_mlp),
+                    (xt, (a.add_q_proj, a.add_k_proj, a.add_v_proj, a.to_add_out), block.txt_mlp),
+                ):
+                    for proj in (q, k, v, o):
+                        F.linear(stream, proj.weight, proj.bias)
+                    up, down = mlp.net[0].proj, mlp.net[2]
+                    F.linear(F.linear(stream, up.weight, up.bias), down.weight, down.bias)
+                for t in qkv:
+                    F.scaled_dot_product_attention(t, t, t)
+
+    return run
+
+
 def gelu_check(config: Any) -> dict[str, Any]:
     dim = config.num_attention_heads * config.attention_head_dim
     out: dict[str, Any] = {}
@@ -185,6 +242,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=60)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--variants", default="eager,regional,regional+fuse,regional+cfg,regional+fuse+cfg")
+    p.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per variant")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -229,6 +287,11 @@ def main() -> None:
     report["results"]["gpu_idle"] = {}
     with gpu_clocks(report["results"]["gpu_idle"]):
         time.sleep(1.0)  # a second of nothing: the idle clock and power to compare with
+    if args.sustain:
+        chain = sustained(floor_chain(base, image, [text, negative]), args.sustain)
+        chain["per_branch_ms"] = round(chain["call_ms_p50"] / 2, 2)
+        report["results"]["floor_chain_sustained"] = chain
+        print("floor_chain", chain, flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     references: dict[int, torch.Tensor] = {}
     torch._dynamo.config.recompile_limit = 64
@@ -268,6 +331,9 @@ def main() -> None:
         ]
         row["output_abs_max"] = round(float(references[0].abs().max()), 4)
         row["kernels"] = kernel_groups(call, 3)
+        if args.sustain:
+            row["sustained"] = sustained(call, args.sustain)
+            row["sustained"]["per_branch_ms"] = round(row["sustained"]["call_ms_p50"] / len(branches), 2)
         report["results"]["variants"][variant] = row
         print(variant, row, flush=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
