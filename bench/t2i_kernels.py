@@ -11,7 +11,10 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
   kernel); each variant's output against eager's (max |diff|). ``cfg``: one call on both guidance
   branches as ``cfg_batch`` makes it (the negative prompt of ``--negative-tokens`` right-padded and
   masked; with ``fuse``, the rows' lengths passed as the family passes them): ``call_ms_p50`` is that
-  call, ``per_branch_ms`` half of it, and the max |diff| is each row's against eager's call on that branch;
+  call, ``per_branch_ms`` half of it, and the max |diff| is each row's against eager's call on that branch.
+  ``table`` (with ``fuse``): the calls under one ``ModulationSchedule``, each copying its modulation rows
+  from the table as a request's steps do (without it a fused call computes its rows, outside the compiled
+  blocks); ``table_build_ms`` is what the first call of a request pays for ``--steps`` timesteps' rows;
 - ``gpu``: the SM clock and board power while each variant's calls ran (``nvidia-smi``), and idle;
 - ``sustained`` (``--sustain SECONDS``): the board at its power limit clocks down after a few calls, so
   short timings flatter it. Back-to-back calls for that long, the p50 of the second half's calls and the
@@ -38,13 +41,14 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers import QwenImageTransformer2DModel
 
-from omnimodel_runtime.engines.t2i.fused import fuse_blocks, linear_gelu
+from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, linear_gelu
 
 
 def cuda_ms(fn: Callable[[], Any], runs: int, warmup: int = 2) -> float:
@@ -234,6 +238,23 @@ def kernel_groups(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     }
 
 
+def table_build_ms(model: Any, kwargs: dict[str, Any], steps: int) -> float:
+    """What one request pays once under ``table``: every step's modulation rows for ``steps`` timesteps."""
+    modulations = getattr(model, MODULATIONS)
+    saved = modulations.scheduler, modulations.table
+    modulations.scheduler = SimpleNamespace(timesteps=torch.linspace(1000, 50, steps, device="cuda"))
+
+    def build() -> None:
+        modulations.table = None
+        with torch.inference_mode():
+            modulations.fill(model, kwargs["timestep"], kwargs["hidden_states"])
+
+    try:
+        return round(cuda_ms(build, 5), 2)
+    finally:
+        modulations.scheduler, modulations.table = saved
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=int, default=1024)
@@ -242,6 +263,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=60)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--variants", default="eager,regional,regional+fuse,regional+cfg,regional+fuse+cfg")
+    p.add_argument("--steps", type=int, default=20, help="timesteps of the table ``table`` builds once a request")
     p.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per variant")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
@@ -315,6 +337,13 @@ def main() -> None:
                 out: torch.Tensor = m(**kw)[0]
             return out
 
+        # ``table``: the calls under one ModulationSchedule whose only timestep is theirs, as a request's steps
+        # run (the table built by the first call; every call after it copies its rows).
+        schedule = contextlib.ExitStack()
+        if "table" in parts:
+            timesteps = SimpleNamespace(timesteps=torch.tensor([500.0], device="cuda"))
+            schedule.enter_context(ModulationSchedule(SimpleNamespace(transformer=model, scheduler=timesteps)))
+
         if variant == "eager":  # each branch alone, diffusers as it is: the reference rows
             for i, branch in enumerate([text, negative]):
                 references[i] = call(kw=inputs([branch], lengths=False)).float()
@@ -334,6 +363,9 @@ def main() -> None:
         if args.sustain:
             row["sustained"] = sustained(call, args.sustain)
             row["sustained"]["per_branch_ms"] = round(row["sustained"]["call_ms_p50"] / len(branches), 2)
+        if "table" in parts:
+            row["table_build_ms"] = table_build_ms(model, kwargs, args.steps)
+        schedule.close()
         report["results"]["variants"][variant] = row
         print(variant, row, flush=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -31,7 +31,7 @@ from diffusers import DiffusionPipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
-from omnimodel_runtime.engines.t2i.fused import unfuse_blocks
+from omnimodel_runtime.engines.t2i.fused import ModulationSchedule, unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
@@ -120,7 +120,9 @@ def main() -> None:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         guidance = BatchedGuidance(pipe, family.merge_guidance) if cfg_batch else contextlib.nullcontext()
-        with guidance:
+        # As the engine runs a fused transformer: each step's modulation rows from one table a call.
+        schedule = ModulationSchedule(pipe)
+        with guidance, schedule:
             out = pipe(
                 prompt,
                 negative_prompt=NEGATIVE,

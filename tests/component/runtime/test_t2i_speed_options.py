@@ -5,6 +5,7 @@ bench/README.md; ``cfg_batch`` is tested through the engine in test_t2i_engine.p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from stage_engines import diffusers_pipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
-from omnimodel_runtime.engines.t2i.fused import fuse_blocks, unfuse_blocks
+from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 
 pytestmark = pytest.mark.engine
@@ -214,6 +215,50 @@ def test_fused_blocks_under_cfg_batch_attend_each_branch_over_its_own_prompt(
     assert lengths == (positive, negative) and positive > negative
     diff = np.abs(got - exact)
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # batched products' rounding
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["sequential-cfg", "cfg-batch"])
+def test_a_modulation_schedule_computes_every_step_s_rows_once_and_draws_the_exact_image(
+    fused: Any, exact: np.ndarray, batched: bool
+) -> None:
+    # As the engine runs a request: the schedule over the pipeline call, under cfg_batch or not. The rows
+    # are computed by the first call, for all the scheduler's timesteps; every call copies its step's.
+    modulations = getattr(fused.transformer, MODULATIONS)
+    computed, looked_up = modulations.calls
+    guidance = BatchedGuidance(fused, QwenImageFamily().merge_guidance) if batched else contextlib.nullcontext()
+    with guidance, ModulationSchedule(fused):
+        got = image(fused)
+    assert modulations.calls == [computed, looked_up + (STEPS if batched else 2 * STEPS)]
+    assert modulations.table is None and modulations.scheduler is None  # nothing left for a plain call
+    diff = np.abs(got - exact)
+    assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # products over 10 rows, not 1 or 2
+
+
+def _transformer_call(transformer: Any, timestep: float) -> torch.Tensor:
+    config = transformer.config
+    gen = torch.Generator().manual_seed(1)
+    out: torch.Tensor = transformer(
+        hidden_states=torch.randn(1, 16, config.in_channels, generator=gen),
+        encoder_hidden_states=torch.randn(1, 5, config.joint_attention_dim, generator=gen),
+        timestep=torch.tensor([timestep]),
+        img_shapes=[[(1, 4, 4)]],
+        return_dict=False,
+    )[0]
+    return out
+
+
+def test_a_call_off_the_schedule_fails_its_schedule_instead_of_taking_another_step_s_rows(fused: Any) -> None:
+    schedule = SimpleNamespace(
+        transformer=fused.transformer, scheduler=SimpleNamespace(timesteps=torch.tensor([900.0, 500.0]))
+    )
+    plain = _transformer_call(fused.transformer, 0.5)
+    with torch.no_grad(), ModulationSchedule(schedule):
+        on = _transformer_call(fused.transformer, 0.5)  # 500 / 1000: on the schedule
+    assert torch.allclose(on, plain, atol=1e-5)
+    with pytest.raises(RuntimeError, match="timestep"), torch.no_grad(), ModulationSchedule(schedule):
+        _transformer_call(fused.transformer, 0.7)
+    # Outside a schedule a call computes its own rows again.
+    assert torch.equal(_transformer_call(fused.transformer, 0.5), plain)
 
 
 def test_fusing_a_transformer_without_qwen_image_blocks_is_refused_by_name() -> None:

@@ -47,8 +47,9 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
 - ``fuse_blocks: true`` (Qwen-Image) runs the transformer blocks through
   :mod:`~omnimodel_runtime.engines.t2i.fused`: the rotary embedding in real arithmetic (inductor fuses it;
   diffusers' complex form falls back to eager kernels), the MLP's GELU in the matrix product's epilogue,
-  and with ``cfg_batch`` each guidance branch attending unmasked over its own prompt length. The same
-  arithmetic, other rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
+  with ``cfg_batch`` each guidance branch attending unmasked over its own prompt length, and every step's
+  modulation rows computed once a request (the timesteps are the scheduler's). The same arithmetic, other
+  rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
 - ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
   ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
   the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
@@ -171,6 +172,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
         self._cfg_batch = str(args.get("cfg_batch", False)).lower() not in ("0", "false", "no", "off", "")
+        self._fuse_blocks = str(args.get("fuse_blocks", False)).lower() not in ("0", "false", "no", "off", "")
         self._announced = Announcements()
         self._pipe: Any = None
         # Masked edits: the family's inpainting pipeline on the same components (None where not served).
@@ -567,7 +569,12 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             if self._cfg_batch and params.cfg
             else contextlib.nullcontext()
         )
-        with guidance, inputs:
+        schedule: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._fuse_blocks:
+            from omnimodel_runtime.engines.t2i.fused import ModulationSchedule  # noqa: PLC0415
+
+            schedule = ModulationSchedule(pipe)
+        with guidance, schedule, inputs:
             result = pipe(
                 **kwargs,
                 **self._family.guidance_kwargs(

@@ -21,14 +21,23 @@ a read of the weights:
   token the same attention as the branch's own call; padded text positions get zeros, and nothing reads
   them. The batched call then reads the blocks' weights once for both branches, which at 1024² is what
   batching buys (the modulation and text-stream products are weight reads of one or a few rows).
+- **Each step's modulation from one table** (:class:`ModulationSchedule`). A block's ``img_mod`` and
+  ``txt_mod`` (SiLU, then a 3072 x 18432 product) depend on the timestep alone: a call reads 13.6 GB of
+  modulation weights to produce 120 rows, ~1.9 ms a branch at 1024² (and at 512²). Within one pipeline call
+  the timesteps are the scheduler's, known before the first step, so the first transformer call computes
+  every step's rows in one product per weight (the weights read once for all steps) and each call copies its
+  step's rows out of that table. Outside a schedule each call computes its own rows, as diffusers does, only
+  outside the compiled blocks. The same products over more rows: a rounding difference, not bit-equal.
 
 Off by default: diffusers' own blocks stay the reference, and tests check ``fuse_blocks`` against them.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import torch
 from diffusers.models.activations import GELU
@@ -145,6 +154,153 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
         return img_out, attn.to_add_out(joint[:, :seq_txt, :].contiguous())
 
 
+# The attribute of a fused transformer with its :class:`_Modulations`, and the buffer name on each block's
+# ``img_mod`` / ``txt_mod`` (non-persistent: not in the state dict) with the rows its block reads this call.
+MODULATIONS: Final = "omnimodel_modulations"
+ROWS: Final = "omnimodel_rows"
+
+
+@dataclass(eq=False)
+class _Table:
+    """Every step's modulation rows of one pipeline call: ``timesteps`` as the transformer receives them,
+    ``rows[k, i]`` the k-th modulation's row for ``timesteps[i]``; ``matched`` stays true while every call's
+    timestep was one of them (checked once, when the schedule ends: no sync a step)."""
+
+    timesteps: torch.Tensor
+    rows: torch.Tensor
+    matched: torch.Tensor
+
+
+@dataclass(eq=False)
+class _Modulations:
+    """The fused blocks' modulations (``img_mod``, ``txt_mod`` of every block, in order), the one buffer whose
+    slices they return, and the table of the schedule in force (None: each call computes its rows)."""
+
+    modules: list[torch.nn.Sequential]
+    rows: torch.Tensor | None = None
+    scheduler: Any = None
+    table: _Table | None = None
+    tables_built: int = 0
+    calls: list[int] = field(default_factory=lambda: [0, 0])  # [computed, from the table]
+    linears: list[torch.nn.Linear] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.linears = [module[1] for module in self.modules]  # type: ignore[misc]
+
+    def _products(self, temb: torch.Tensor, out: torch.Tensor) -> None:
+        # SiLU(temb) once for all of them (each module's first layer is the same SiLU), then each product
+        # as nn.Linear computes it (addmm), written into its slice of ``out`` ([modules, rows, 6 * dim]).
+        act = torch.nn.functional.silu(temb)
+        for k, linear in enumerate(self.linears):
+            torch.addmm(linear.bias, act, linear.weight.t(), out=out[k])
+
+    def _buffer(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        width = self.linears[0].out_features
+        rows = self.rows
+        # A new buffer for a new batch size, and for a call in or out of inference mode when the buffer was
+        # made in the other (an inference tensor cannot be written outside it).
+        if (
+            rows is None
+            or rows.shape[1] != batch
+            or rows.device != like.device
+            or rows.dtype != like.dtype
+            or rows.is_inference() != torch.is_inference_mode_enabled()
+        ):
+            rows = like.new_empty((len(self.modules), batch, width))
+            for k, module in enumerate(self.modules):
+                module.register_buffer(ROWS, rows[k], persistent=False)
+            self.rows = rows
+        return rows
+
+    @torch.no_grad()
+    def fill(self, transformer: Any, timestep: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """This call's rows into the blocks' buffers: from the schedule's table, or computed (for inference:
+        the rows carry no gradient)."""
+        dtype = hidden_states.dtype
+        # What the transformer's forward does first, and one timestep a sample (a scalar is every sample's).
+        timestep = torch.broadcast_to(timestep.to(dtype).reshape(-1), hidden_states.shape[:1])
+        rows = self._buffer(timestep.shape[0], hidden_states)
+        if self.scheduler is None:
+            self._products(transformer.time_text_embed(timestep, hidden_states), rows)
+            self.calls[0] += 1
+            return
+        if self.table is None:
+            # The values diffusers' Qwen-Image pipelines pass: ``t.expand(batch).to(latents.dtype) / 1000``.
+            steps = (self.scheduler.timesteps.to(hidden_states.device, dtype) / 1000).to(dtype)
+            table = hidden_states.new_empty((len(self.modules), steps.shape[0], rows.shape[2]))
+            self._products(transformer.time_text_embed(steps, hidden_states), table)
+            matched = torch.ones((), dtype=torch.bool, device=hidden_states.device)
+            self.table = _Table(timesteps=steps, rows=table, matched=matched)
+            self.tables_built += 1
+        table_ = self.table
+        hits = table_.timesteps == timestep[:1]
+        index = hits.int().argmax().reshape(1)
+        table_.matched &= hits.any() & (timestep == table_.timesteps[index]).all()
+        rows.copy_(table_.rows.index_select(1, index).expand_as(rows))
+        self.calls[1] += 1
+
+
+class ModulationSchedule:
+    """Context manager over one pipeline call of a fused transformer: each step's modulation rows from one
+    table built at the first step (module docstring). ``pipe`` needs ``transformer`` and ``scheduler`` (its
+    ``timesteps`` set by the pipeline before the first step). A transformer that is not fused: nothing to do.
+    Raises ``RuntimeError`` on leaving when a call's timestep was not among the scheduler's (its rows were
+    another step's): a pipeline that passes timesteps otherwise than diffusers' Qwen-Image ones."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._modulations: _Modulations | None = getattr(pipe.transformer, MODULATIONS, None)
+        self._scheduler = pipe.scheduler
+
+    def __enter__(self) -> ModulationSchedule:
+        if self._modulations is not None:
+            self._modulations.scheduler, self._modulations.table = self._scheduler, None
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if self._modulations is None:
+            return
+        table, self._modulations.table, self._modulations.scheduler = self._modulations.table, None, None
+        if kind is None and table is not None and not bool(table.matched):
+            raise RuntimeError(
+                "fuse_blocks: a transformer call's timestep was not one of the scheduler's timesteps / 1000, "
+                "so its modulation rows were another step's"
+            )
+
+
+def _rows_forward(module: torch.nn.Module) -> Any:
+    def forward(temb: torch.Tensor) -> torch.Tensor:
+        rows: torch.Tensor = getattr(module, ROWS)
+        return rows
+
+    return forward
+
+
+def _modulated_forward(transformer: Any, modulations: _Modulations) -> Any:
+    forward = transformer.forward
+
+    signature = inspect.signature(forward)
+
+    def modulated(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        modulations.fill(transformer, given["timestep"], given["hidden_states"])
+        return forward(*args, **kwargs)
+
+    modulated.__wrapped__ = forward  # type: ignore[attr-defined]
+    return modulated
+
+
+def _takes_table(transformer: Any) -> bool:
+    """Whether ``temb`` is the timestep's embedding alone: no second timestep (``zero_cond_t``: Qwen-Image
+    Edit Plus modulates reference tokens with t=0), no extra conditioning, no guidance embedding."""
+    embed = getattr(transformer, "time_text_embed", None)
+    return (
+        embed is not None
+        and not getattr(transformer, "zero_cond_t", False)
+        and not getattr(embed, "use_additional_t_cond", False)
+        and not getattr(getattr(transformer, "config", None), "guidance_embeds", False)
+    )
+
+
 def _real_rope(forward: Any) -> Any:
     """The transformer's rotary table as ``view_as_real`` pairs, so the compiled blocks get no complex input."""
 
@@ -179,7 +335,27 @@ def fuse_blocks(transformer: Any) -> int:
     if not hasattr(pos_embed.forward, "__wrapped__"):
         pos_embed.forward = _real_rope(pos_embed.forward)
     setattr(transformer, TAKES_TEXT_LENGTHS, True)
+    modules = [m for block in transformer.transformer_blocks for m in (block.img_mod, block.txt_mod)]
+    if (
+        getattr(transformer, MODULATIONS, None) is None
+        and _takes_table(transformer)
+        and all(map(_is_silu_linear, modules))
+    ):
+        modulations = _Modulations(modules=modules)
+        for module in modules:
+            module.forward = _rows_forward(module)
+        setattr(transformer, MODULATIONS, modulations)
+        transformer.forward = _modulated_forward(transformer, modulations)
     return fused
+
+
+def _is_silu_linear(module: Any) -> bool:
+    return (
+        isinstance(module, torch.nn.Sequential)
+        and len(module) == 2
+        and isinstance(module[0], torch.nn.SiLU)
+        and isinstance(module[1], torch.nn.Linear)
+    )
 
 
 def unfuse_blocks(transformer: Any) -> None:
@@ -196,3 +372,9 @@ def unfuse_blocks(transformer: Any) -> None:
     if wrapped is not None:
         transformer.pos_embed.forward = wrapped
     vars(transformer).pop(TAKES_TEXT_LENGTHS, None)
+    modulations = vars(transformer).pop(MODULATIONS, None)
+    if modulations is not None:
+        for module in modulations.modules:
+            vars(module).pop("forward", None)
+            module._buffers.pop(ROWS, None)
+        vars(transformer).pop("forward", None)
