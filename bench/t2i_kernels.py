@@ -7,14 +7,15 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
   costs if nothing else ran;
 - ``variants``: p50 of ``--runs`` calls (CUDA events) of the transformer as the engine configures it
   (``eager``, ``regional``: ``compile_repeated_blocks``), with ``fuse`` (the engine's ``fuse_blocks``),
-  ``autotune`` (inductor's ``max_autotune`` GEMM search) or ``cudnn`` (the attention pinned to cuDNN's
-  kernel); each variant's output against eager's (max |diff|). ``cfg``: one call on both guidance
-  branches as ``cfg_batch`` makes it (the negative prompt of ``--negative-tokens`` right-padded and
-  masked; with ``fuse``, the rows' lengths passed as the family passes them): ``call_ms_p50`` is that
-  call, ``per_branch_ms`` half of it, and the max |diff| is each row's against eager's call on that branch.
-  ``table`` (with ``fuse``): the calls under one ``ModulationSchedule``, each copying its modulation rows
-  from the table as a request's steps do (without it a fused call computes its rows, outside the compiled
-  blocks); ``table_build_ms`` is what the first call of a request pays for ``--steps`` timesteps' rows;
+  ``autotune`` (inductor's ``max_autotune`` GEMM search), ``cdt`` (inductor's coordinate-descent tuning of its
+  own kernels' block sizes) or ``cudnn`` (the attention pinned to cuDNN's kernel); each variant's output
+  against eager's (max |diff|). ``cfg``: one call on both guidance branches as ``cfg_batch`` makes it (the
+  negative prompt of ``--negative-tokens`` right-padded and masked; with ``fuse``, the rows' lengths passed as
+  the family passes them): ``call_ms_p50`` is that call, ``per_branch_ms`` half of it, and the max |diff| is
+  each row's against eager's call on that branch. ``table`` (with ``fuse``): the calls under one
+  ``ModulationSchedule``, each copying its modulation rows from the table as a request's steps do (without it
+  a fused call computes its rows, outside the compiled blocks); ``table_build_ms`` is what the first call of a
+  request pays for ``--steps`` timesteps' rows;
 - ``gpu``: the SM clock and board power while each variant's calls ran (``nvidia-smi``), and idle;
 - ``sustained`` (``--sustain SECONDS``): the board at its power limit clocks down after a few calls, so
   short timings flatter it. Back-to-back calls for that long, the p50 of the second half's calls and the
@@ -326,6 +327,7 @@ def main() -> None:
             model.set_attention_backend("_native_cudnn")
         torch._inductor.config.max_autotune = "autotune" in parts
         torch._inductor.config.max_autotune_gemm = "autotune" in parts
+        torch._inductor.config.coordinate_descent_tuning = "cdt" in parts
         if "regional" in parts:
             model.compile_repeated_blocks(fullgraph=True, dynamic=None)
         torch._dynamo.reset()

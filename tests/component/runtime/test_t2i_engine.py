@@ -27,6 +27,7 @@ from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
+from omnimodel_runtime.engines.t2i.fused import MODULATIONS
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
@@ -366,6 +367,25 @@ async def test_cfg_batch_in_a_batch_of_requests_keeps_each_requests_image(cfg_ba
     assert sizes == [2 * len(PROMPTS)] * STEPS
     for one, batched in zip(alone, together, strict=True):
         assert_rounding_only(one, batched)
+
+
+async def test_fused_blocks_take_each_request_s_modulation_rows_from_its_own_schedule(
+    tiny_t2i: Path, diffusers_pipe: Any
+) -> None:
+    # fuse_blocks with cfg_batch, as the GPU runs it. Two sizes: the scheduler shifts its timesteps by the
+    # image's token count, so each request's table must be built from its own schedule (a table kept from
+    # the first request would fail the second, whose timesteps are not in it).
+    preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
+    async with deploy(preset, tiny_t2i, cfg_batch=True, fuse_blocks=True) as deployed:
+        modulations = getattr(deployed.engines["denoise"]._pipe.transformer, MODULATIONS)
+        for width in (32, 64):
+            built, (computed, looked_up) = modulations.tables_built, modulations.calls
+            got = await generate(deployed, "a shiny robot holding a sign", seed=5, width=width, **CFG)
+            assert modulations.tables_built == built + 1
+            assert modulations.calls == [computed, looked_up + STEPS]  # one batched call a step
+            assert_rounding_only(
+                direct(diffusers_pipe, "a shiny robot holding a sign", seed=5, width=width, **CFG), got
+            )
 
 
 async def test_batched_guidance_gives_the_pipelines_pixels_and_leaves_the_pipeline_as_it_was(

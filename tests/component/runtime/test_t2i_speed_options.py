@@ -183,9 +183,11 @@ def fused(pipe: Any) -> Iterator[Any]:
 
 def test_fused_blocks_draw_diffusers_image(fused: Any, exact: np.ndarray) -> None:
     # The rotation in real arithmetic and the MLP's product + GELU as one op: on CPU in float32 the same
-    # operations in the same order (the GPU's epilogue rounds once less; bench/t2i_kernels.py states it).
+    # operations (the GPU's epilogue rounds once less; bench/t2i_kernels.py states it). The attention runs
+    # over [image; text] instead of diffusers' [text; image]: the same softmax, its sums in another order.
     assert {type(p).__name__ for p in fused.transformer.attn_processors.values()} == {"FusedDoubleStreamProcessor"}
-    assert np.array_equal(image(fused), exact)
+    diff = np.abs(image(fused) - exact)
+    assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # measured: 1, one value of 12288
 
 
 @pytest.fixture

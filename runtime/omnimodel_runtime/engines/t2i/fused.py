@@ -21,6 +21,11 @@ a read of the weights:
   token the same attention as the branch's own call; padded text positions get zeros, and nothing reads
   them. The batched call then reads the blocks' weights once for both branches, which at 1024² is what
   batching buys (the modulation and text-stream products are weight reads of one or a few rows).
+- **Image tokens first.** diffusers attends over ``[text; image]``; here the joint sequence is ``[image;
+  text]``, the same attention with its keys in another order (its sums round differently). Each row's real
+  text tokens then end its sequence, so under ``cfg_batch`` a row attends over a prefix view of the one joint
+  tensor instead of a concatenation of its own, and its image part goes into the output projection as a view
+  of the attention's output instead of through a zero-padded copy.
 - **Each step's modulation from one table** (:class:`ModulationSchedule`). A block's ``img_mod`` and
   ``txt_mod`` (SiLU, then a 3072 x 18432 product) depend on the timestep alone: a call reads 13.6 GB of
   modulation weights to produce 120 rows, ~1.9 ms a branch at 1024² (and at 512²). Within one pipeline call
@@ -107,7 +112,7 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
         split = text_lengths is not None and len(text_lengths) == batch
         if encoder_hidden_states_mask is not None and not split:
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+            attention_mask = torch.cat([image_mask, encoder_hidden_states_mask.bool()], dim=1)[:, None, None, :]
         head_dim = attn.inner_dim // attn.heads
         img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
         txt = [
@@ -121,37 +126,41 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
             img[0], img[1] = (rotate(t, img_freqs) for t in img[:2])
             txt[0], txt[1] = (rotate(t, txt_freqs) for t in txt[:2])
 
-        def attend(t: list[torch.Tensor], i: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
-            # [text, image], the order diffusers' processor attends in.
-            query, key, value = (torch.cat([a, b], dim=1) for a, b in zip(t, i, strict=True))
+        # [image; text]: diffusers attends over [text; image], the same softmax over another order of its
+        # keys. Image first, each row's real text tokens are a prefix of the joint sequence, so a row
+        # attends over a view of the one joint tensor instead of its own concatenation.
+        seq_img = hidden_states.shape[1]
+        query, key, value = (torch.cat([i, t], dim=1) for i, t in zip(img, txt, strict=True))
+
+        def attend(end: int, row: slice, mask: torch.Tensor | None) -> torch.Tensor:
             out: torch.Tensor = dispatch_attention_fn(
-                query,
-                key,
-                value,
+                query[row, :end],
+                key[row, :end],
+                value[row, :end],
                 attn_mask=mask,
                 dropout_p=0.0,
                 is_causal=False,
                 backend=self._attention_backend,
                 parallel_config=self._parallel_config,
             )
-            return out
+            return out.flatten(2, 3).to(img[0].dtype)
 
         if split:
             assert text_lengths is not None
-            rows = []
-            for b, n in enumerate(text_lengths):
-                out = attend([t[b : b + 1, :n] for t in txt], [t[b : b + 1] for t in img], None)
-                if n < seq_txt:
-                    out = torch.cat([out[:, :n], out.new_zeros(1, seq_txt - n, *out.shape[2:]), out[:, n:]], dim=1)
-                rows.append(out)
-            joint = torch.cat(rows)
+            rows = [attend(seq_img + n, slice(b, b + 1), None) for b, n in enumerate(text_lengths)]
+            # Each row's image part straight into the output projection (a view of its attention output),
+            # its text part padded back to the batch's width: padded positions get zeros, nobody reads them.
+            img_out = torch.cat([attn.to_out[0](r[:, :seq_img]) for r in rows])
+            txt_joint = torch.cat(
+                [torch.nn.functional.pad(r[:, seq_img:], (0, 0, 0, seq_txt - (r.shape[1] - seq_img))) for r in rows]
+            )
         else:
-            joint = attend(txt, img, attention_mask)
-        joint = joint.flatten(2, 3).to(img[0].dtype)
-        img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())
+            joint = attend(seq_img + seq_txt, slice(None), attention_mask)
+            img_out = attn.to_out[0](joint[:, :seq_img])
+            txt_joint = joint[:, seq_img:]
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
-        return img_out, attn.to_add_out(joint[:, :seq_txt, :].contiguous())
+        return img_out, attn.to_add_out(txt_joint)
 
 
 # The attribute of a fused transformer with its :class:`_Modulations`, and the buffer name on each block's
