@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput
@@ -31,6 +31,15 @@ class NullMetrics:
 
     def add_generated_tokens(self, count: int) -> None:
         pass
+
+
+def flag(args: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    """A boolean engine argument (``true``/``false``, also as strings from the command line; an empty
+    value is off)."""
+    value = args.get(name)
+    if value is None:
+        return default
+    return str(value).lower() not in ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ import torch
 from transformers import Qwen2_5OmniToken2WavModel
 
 from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
+from omnimodel_runtime.engines.base import flag
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_META,
     CODES_KIND,
@@ -65,7 +66,7 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
     voice_param,
 )
-from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob, flag
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.engines.slots import bucket, buckets, capture
 from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError

@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import torch
 
-from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.base import EngineContext, flag
 from omnimodel_runtime.engines.devices import resolve_device, sdpa_backends, torch_dtype
 from omnimodel_runtime.engines.slots import new_stream, on_stream
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
@@ -94,14 +94,6 @@ class OmniJob(Job):
             else:
                 out.append(item)
         return out
-
-
-def flag(args: dict[str, Any], name: str, *, default: bool) -> bool:
-    """A boolean engine argument (``true``/``false``, also as strings from the command line)."""
-    value = args.get(name)
-    if value is None:
-        return default
-    return str(value).lower() not in ("0", "false", "no", "off")
 
 
 def batching_default(args: dict[str, Any], device: str) -> bool:

@@ -33,6 +33,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from omnimodel_runtime.engines.base import flag
 from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_LENGTHS,
@@ -54,7 +55,7 @@ from omnimodel_runtime.engines.omni.common import (
     rows_to_wire,
     tensor_frame,
 )
-from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob, flag
+from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, host_ints, supported
 from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError

@@ -82,7 +82,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.base import EngineContext, flag
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.images import decode_image, decode_mask
 from omnimodel_runtime.engines.loading import LOAD_LOCK
@@ -171,8 +171,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         self._dtype = torch.bfloat16 if dtype == "auto" else dtype
         self._max_batch = int(args.get("max_batch_size", DEFAULT_MAX_BATCH))
         self._batch_wait = float(args.get("batch_wait", DEFAULT_BATCH_WAIT))
-        self._cfg_batch = str(args.get("cfg_batch", False)).lower() not in ("0", "false", "no", "off", "")
-        self._fuse_blocks = str(args.get("fuse_blocks", False)).lower() not in ("0", "false", "no", "off", "")
+        self._cfg_batch = flag(args, "cfg_batch", default=False)
+        self._fuse_blocks = flag(args, "fuse_blocks", default=False)
         self._announced = Announcements()
         self._pipe: Any = None
         # Masked edits: the family's inpainting pipeline on the same components (None where not served).
@@ -335,7 +335,7 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             raise ValueError("engine_args.compile: regional does not combine with cache: first_block")
         if attention not in (None, "", "native"):
             transformer.set_attention_backend(ATTENTION_BACKENDS[attention])
-        fuse = str(args.get("fuse_blocks", False)).lower() not in ("0", "false", "no", "off", "")
+        fuse = flag(args, "fuse_blocks", default=False)
         if fuse:
             from omnimodel_runtime.engines.t2i.fused import fuse_blocks  # noqa: PLC0415
 

@@ -28,7 +28,8 @@ a read of the weights:
   of the attention's output instead of through a zero-padded copy.
 - **Each step's modulation from one table** (:class:`ModulationSchedule`). A block's ``img_mod`` and
   ``txt_mod`` (SiLU, then a 3072 x 18432 product) depend on the timestep alone: a call reads 13.6 GB of
-  modulation weights to produce 120 rows, ~1.9 ms a branch at 1024² (and at 512²). Within one pipeline call
+  modulation weights to produce 120 rows, ~1.9 ms a branch at 1024² (profiled; the same read at any
+  size). Within one pipeline call
   the timesteps are the scheduler's, known before the first step, so the first transformer call computes
   every step's rows in one product per weight (the weights read once for all steps) and each call copies its
   step's rows out of that table. Outside a schedule each call computes its own rows, as diffusers does, only
@@ -386,4 +387,5 @@ def unfuse_blocks(transformer: Any) -> None:
         for module in modulations.modules:
             vars(module).pop("forward", None)
             module._buffers.pop(ROWS, None)
-        vars(transformer).pop("forward", None)
+        if getattr(vars(transformer).get("forward"), "__wrapped__", None) is not None:
+            del transformer.forward
