@@ -39,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.engines.base import EngineContext
+from omnimodel_runtime.engines.base import EngineContext, flag
 from omnimodel_runtime.engines.compat import cache_kwargs
 from omnimodel_runtime.engines.devices import resolve_device, torch_dtype
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
@@ -101,10 +101,10 @@ class TransformersTextEngine(WorkerEngine[_Seq]):
         if decode not in ("static", "dynamic"):
             raise ValueError(f"engine_args.decode must be static or dynamic, not {decode!r}")
         self._static = decode == "static"
-        self._graphs = str(args.get("cuda_graphs", True)).lower() not in ("0", "false", "no", "off")
+        self._graphs = flag(args, "cuda_graphs", default=True)
         # The slot step's layers compiled before capture (slots.py), by default where graphs are captured.
         on_cuda = torch.device(self._device).type == "cuda"
-        self._compiled = str(args.get("decode_compile", on_cuda)).lower() not in ("0", "false", "no", "off")
+        self._compiled = flag(args, "decode_compile", default=on_cuda)
         self._capacity = int(args.get("slot_capacity", 4096))
         self._slots: SlotTable | None = None
         self._model: Any = None
