@@ -24,6 +24,7 @@ from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor
+from omnimodel_runtime.engines.t2i.fused import MODULATIONS
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
 from omnimodel_runtime.protocol.images import ImageEditParams, TextToImageParams
@@ -113,6 +114,27 @@ async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
     assert len(np.unique(expected)) > 50
     assert np.array_equal(await edit(split, image, prompt, **params), expected)
     assert np.array_equal(await edit(whole, image, prompt, **params), expected)
+
+
+async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path, diffusers_pipe: Any) -> None:
+    # fuse_blocks on the edit family (cfg_batch is Qwen-Image's alone): its image stream is [noisy latents;
+    # input image latents], the rotary table covers both parts, and the modulation rows of both guidance
+    # branches come from the request's own schedule. The fused blocks round in another order: one level.
+    image, prompt = random_png(40, 56, seed=1), "make the cat blue"
+    params = {"seed": 13, "width": 48, "height": 32, "negative_prompt": "blurry", "true_cfg_scale": 3.0}
+    preset = get_preset("qwen-image-edit").pipeline(ModelSource(source="tiny://x"))
+    async with stages_in_process(preset, tiny_edit, engine_class=DiffusersImageEngine, fuse_blocks=True) as fused:
+        modulations = getattr(fused.engines["denoise"]._pipe.transformer, MODULATIONS)
+        built, (computed, looked_up) = modulations.tables_built, modulations.calls  # after the warm-up's
+        got = await edit(fused, image, prompt, **params)
+        assert modulations.tables_built == built + 1
+        assert modulations.calls == [computed, looked_up + 2 * STEPS]  # two guidance branches a step
+    expected = direct(
+        diffusers_pipe, image, prompt, seed=13, width=48, height=32, negative_prompt="blurry", true_cfg_scale=3.0
+    )
+    diff = np.abs(expected.astype(int) - got.astype(int))
+    assert diff.max() <= 1
+    assert (diff == 0).mean() > 0.999
 
 
 async def test_without_a_size_the_output_has_the_pipelines_size_for_the_input(
