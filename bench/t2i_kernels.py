@@ -15,7 +15,9 @@ these calls plus ~0.15 s), one image of ``--size``, a prompt of ``--prompt-token
   each row's against eager's call on that branch. ``table`` (with ``fuse``): the calls under one
   ``ModulationSchedule``, each copying its modulation rows from the table as a request's steps do (without it
   a fused call computes its rows, outside the compiled blocks); ``table_build_ms`` is what the first call of a
-  request pays for ``--steps`` timesteps' rows;
+  request pays for ``--steps`` timesteps' rows. ``notriton`` (with ``fuse``): the blocks' query/key norms and
+  rotations in PyTorch operations (inductor's kernels) instead of engines/t2i/kernels.py's Triton kernel, the
+  path a torch without Triton takes; other parts (``r2``) are ignored, so a variant can run twice in one run;
 - ``gpu``: the SM clock and board power while each variant's calls ran (``nvidia-smi``), and idle;
 - ``sustained`` (``--sustain SECONDS``): the board at its power limit clocks down after a few calls, so
   short timings flatter it. Back-to-back calls for that long, the p50 of the second half's calls and the
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -49,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import QwenImageTransformer2DModel
 
+from omnimodel_runtime.engines.t2i import fused as fused_blocks_module
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, linear_gelu
 
 
@@ -323,6 +327,7 @@ def main() -> None:
         model = base if parts == {"eager"} else copy.deepcopy(base)
         if "fuse" in parts:
             fuse_blocks(model)
+        fused_blocks_module._HAS_TRITON = "notriton" not in parts and importlib.util.find_spec("triton") is not None
         if "cudnn" in parts:
             model.set_attention_backend("_native_cudnn")
         torch._inductor.config.max_autotune = "autotune" in parts

@@ -6,6 +6,10 @@ bench/README.md; ``cfg_batch`` is tested through the engine in test_t2i_engine.p
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -319,3 +323,56 @@ def test_fused_cfg_batch_of_several_images_gives_each_row_its_own_prompt_length(
     assert set(text_lengths) == {None, (positive, positive, negative, negative)}
     diff = np.abs(batched - sequential)
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"
+
+
+# Triton's interpreter runs the kernel's program on CPU tensors; it is chosen when the kernel is decorated, so
+# the pipeline runs in a process of its own with TRITON_INTERPRET set before the kernel's lazy import.
+_INTERPRETED_KERNEL = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch
+from stage_engines import diffusers_pipeline
+from omnimodel_runtime.engines.t2i import fused, kernels
+from omnimodel_runtime.engines.t2i.families import QwenImageFamily
+from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+
+pipe = diffusers_pipeline("QwenImagePipeline", sys.argv[1], dtype=torch.float32)
+def image():
+    out = pipe({prompt!r}, negative_prompt=" ", true_cfg_scale=4.0, width=64, height=64,
+               num_inference_steps={steps}, generator=torch.Generator("cpu").manual_seed(3)).images[0]
+    return np.asarray(out).astype(np.int16)
+exact = image()
+fused.fuse_blocks(pipe.transformer)
+launches = []
+launch = kernels.norm_rope_into
+def counted(*args):
+    launches.append(1)
+    return launch(*args)
+kernels.norm_rope_into = counted
+fused._kernel_applies = lambda *_: True  # what CUDA decides on the GPU
+sequential = image()
+with BatchedGuidance(pipe, QwenImageFamily().merge_guidance):
+    batched = image()
+result = {{"sequential": exact.tolist(), "got": [sequential.tolist(), batched.tolist()], "launches": len(launches)}}
+print(json.dumps(result))
+"""
+
+
+def test_the_norm_rope_kernel_writes_the_joint_queries_and_keys_that_draw_diffusers_image(tiny_t2i: Path) -> None:
+    # On the GPU (engines/t2i/kernels.py) one Triton program a (32 tokens x head) norms and rotates each
+    # stream's queries and keys into the joint [image; text] tensor. Here the same program, interpreted on
+    # CPU in float32, in the fused pipeline: sequential CFG (two streams a call, a partial last token block)
+    # and cfg_batch (rows of two prompt lengths).
+    script = _INTERPRETED_KERNEL.format(prompt=PROMPT, steps=STEPS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_t2i)], check=False, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    exact = np.asarray(result["sequential"])
+    # Each call: 2 blocks x (query, key) x (image, text); 2 calls a step sequentially, 1 batched.
+    assert result["launches"] == STEPS * 2 * 2 * 2 * 3
+    for got in result["got"]:
+        diff = np.abs(np.asarray(got) - exact)
+        assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # measured: 1, as the PyTorch path's

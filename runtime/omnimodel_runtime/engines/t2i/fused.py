@@ -40,6 +40,7 @@ Off by default: diffusers' own blocks stay the reference, and tests check ``fuse
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from typing import Any, Final
 import torch
 from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from omnimodel_runtime.engines.t2i.guidance import TAKES_TEXT_LENGTHS
@@ -79,6 +81,23 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
 @linear_gelu.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# Triton (CUDA builds of torch ship it) for engines/t2i/kernels.py; elsewhere the blocks norm and rotate in
+# PyTorch operations.
+_HAS_TRITON: Final = importlib.util.find_spec("triton") is not None
+
+
+def _kernel_applies(attn: Any, hidden_states: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel (engines/t2i/kernels.py) computes this attention's query and key norms: on CUDA with Triton,
+    diffusers' RMS norms with a weight and no bias, a power-of-two head size."""
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    return (
+        _HAS_TRITON
+        and hidden_states.is_cuda
+        and head_dim & (head_dim - 1) == 0
+        and all(isinstance(n, RMSNorm) and n.weight is not None and getattr(n, "bias", None) is None for n in norms)
+    )
 
 
 def _gelu_forward(module: GELU) -> Any:
@@ -115,23 +134,35 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
             attention_mask = torch.cat([image_mask, encoder_hidden_states_mask.bool()], dim=1)[:, None, None, :]
         head_dim = attn.inner_dim // attn.heads
-        img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
-        txt = [
-            p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-        ]
-        img[0], img[1] = attn.norm_q(img[0]), attn.norm_k(img[1])
-        txt[0], txt[1] = attn.norm_added_q(txt[0]), attn.norm_added_k(txt[1])
-        if image_rotary_emb is not None:
-            img_freqs, txt_freqs = image_rotary_emb
-            img[0], img[1] = (rotate(t, img_freqs) for t in img[:2])
-            txt[0], txt[1] = (rotate(t, txt_freqs) for t in txt[:2])
-
+        seq_img = hidden_states.shape[1]
+        img = [p(hidden_states) for p in (attn.to_q, attn.to_k, attn.to_v)]
+        txt = [p(encoder_hidden_states) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
         # [image; text]: diffusers attends over [text; image], the same softmax over another order of its
         # keys. Image first, each row's real text tokens are a prefix of the joint sequence, so a row
         # attends over a view of the one joint tensor instead of its own concatenation.
-        seq_img = hidden_states.shape[1]
-        query, key, value = (torch.cat([i, t], dim=1) for i, t in zip(img, txt, strict=True))
+        if image_rotary_emb is not None and _kernel_applies(attn, hidden_states, head_dim):
+            # On CUDA the norms and rotations write the joint query and key (engines/t2i/kernels.py).
+            from omnimodel_runtime.engines.t2i.kernels import norm_rope_joint  # noqa: PLC0415 - Triton: CUDA
+
+            img_freqs, txt_freqs = (torch.view_as_real(f) if f.is_complex() else f for f in image_rotary_emb)
+            query, key = (
+                norm_rope_joint(i, t, ni.weight, nt.weight, img_freqs, txt_freqs, ni.eps, nt.eps, head_dim)
+                for i, t, ni, nt in (
+                    (img[0], txt[0], attn.norm_q, attn.norm_added_q),
+                    (img[1], txt[1], attn.norm_k, attn.norm_added_k),
+                )
+            )
+            value = torch.cat([img[2], txt[2]], dim=1).view(batch, seq_img + seq_txt, -1, head_dim)
+        else:
+            img = [t.unflatten(-1, (-1, head_dim)) for t in img]
+            txt = [t.unflatten(-1, (-1, head_dim)) for t in txt]
+            img[0], img[1] = attn.norm_q(img[0]), attn.norm_k(img[1])
+            txt[0], txt[1] = attn.norm_added_q(txt[0]), attn.norm_added_k(txt[1])
+            if image_rotary_emb is not None:
+                img_freqs, txt_freqs = image_rotary_emb
+                img[0], img[1] = (rotate(t, img_freqs) for t in img[:2])
+                txt[0], txt[1] = (rotate(t, txt_freqs) for t in txt[:2])
+            query, key, value = (torch.cat([i, t], dim=1) for i, t in zip(img, txt, strict=True))
 
         def attend(end: int, row: slice, mask: torch.Tensor | None) -> torch.Tensor:
             out: torch.Tensor = dispatch_attention_fn(
@@ -144,7 +175,7 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
                 backend=self._attention_backend,
                 parallel_config=self._parallel_config,
             )
-            return out.flatten(2, 3).to(img[0].dtype)
+            return out.flatten(2, 3).to(hidden_states.dtype)
 
         if split:
             assert text_lengths is not None
