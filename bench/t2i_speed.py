@@ -2,9 +2,11 @@
 the engine's ``cache`` and ``compile`` options applied by the engine's own code (``_speed_up``), each timed
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
 ``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``; ``fuse``: ``fuse_blocks``.
-``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
-engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group
-on the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike;
+``notriton`` (with ``fuse``): the blocks' query/key norms and rotations in PyTorch operations instead of
+engines/t2i/kernels.py's Triton kernel (a group of its own). ``cfgbatch`` in a variant's name adds
+``cfg_batch`` (both guidance branches in one transformer call, the engine's :class:`BatchedGuidance` around
+the pipeline call). Variants that differ only in it form one group on the same transformer state, timed in
+alternating runs (``a b a b ...``) so that drift hits both alike;
 a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
 
     python bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --out result.json
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
+from omnimodel_runtime.engines.t2i import fused as fused_blocks_module
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
 from omnimodel_runtime.engines.t2i.fused import ModulationSchedule, unfuse_blocks
@@ -200,9 +203,12 @@ def main() -> None:
     print("mask effect", report["meta"]["mask_effect"], flush=True)
     groups: dict[str, list[str]] = {}
     for variant in args.variants.split(","):
-        groups.setdefault(json.dumps(engine_args_of(variant), sort_keys=True), []).append(variant)
+        key = json.dumps([engine_args_of(variant), "notriton" in variant], sort_keys=True)
+        groups.setdefault(key, []).append(variant)
+    has_triton = fused_blocks_module._HAS_TRITON
     for key, group in groups.items():
-        engine_args = json.loads(key)
+        engine_args, notriton = json.loads(key)
+        fused_blocks_module._HAS_TRITON = has_triton and not notriton  # type: ignore[misc]
         sections: dict[str, dict[str, Any]] = {}
         for variant in group:
             sections[variant] = {"engine_args": engine_args | ({"cfg_batch": True} if "cfgbatch" in variant else {})}
