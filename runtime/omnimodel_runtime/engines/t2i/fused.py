@@ -90,13 +90,14 @@ _HAS_TRITON: Final = importlib.util.find_spec("triton") is not None
 
 def _kernel_applies(attn: Any, hidden_states: torch.Tensor, head_dim: int) -> bool:
     """Whether the kernel (engines/t2i/kernels.py) computes this attention's query and key norms: on CUDA with Triton,
-    diffusers' RMS norms with a weight and no bias, a power-of-two head size."""
+    diffusers' RMS norms with a weight of one dtype and no bias, a power-of-two head size."""
     norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
     return (
         _HAS_TRITON
         and hidden_states.is_cuda
         and head_dim & (head_dim - 1) == 0
         and all(isinstance(n, RMSNorm) and n.weight is not None and getattr(n, "bias", None) is None for n in norms)
+        and len({n.weight.dtype for n in norms}) == 1
     )
 
 
@@ -142,15 +143,20 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
         # attends over a view of the one joint tensor instead of its own concatenation.
         if image_rotary_emb is not None and _kernel_applies(attn, hidden_states, head_dim):
             # On CUDA the norms and rotations write the joint query and key (engines/t2i/kernels.py).
-            from omnimodel_runtime.engines.t2i.kernels import norm_rope_joint  # noqa: PLC0415 - Triton: CUDA
+            from omnimodel_runtime.engines.t2i.kernels import norm_rope_qk  # noqa: PLC0415 - Triton: CUDA
 
             img_freqs, txt_freqs = (torch.view_as_real(f) if f.is_complex() else f for f in image_rotary_emb)
-            query, key = (
-                norm_rope_joint(i, t, ni.weight, nt.weight, img_freqs, txt_freqs, ni.eps, nt.eps, head_dim)
-                for i, t, ni, nt in (
-                    (img[0], txt[0], attn.norm_q, attn.norm_added_q),
-                    (img[1], txt[1], attn.norm_k, attn.norm_added_k),
-                )
+            norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+            query, key = norm_rope_qk(
+                img[0],
+                img[1],
+                txt[0],
+                txt[1],
+                [n.weight for n in norms],
+                img_freqs,
+                txt_freqs,
+                [n.eps for n in norms],
+                head_dim,
             )
             value = torch.cat([img[2], txt[2]], dim=1).view(batch, seq_img + seq_txt, -1, head_dim)
         else:
