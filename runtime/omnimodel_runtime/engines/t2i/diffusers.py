@@ -48,8 +48,9 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   :mod:`~omnimodel_runtime.engines.t2i.fused`: the rotary embedding in real arithmetic (inductor fuses it;
   diffusers' complex form falls back to eager kernels), the MLP's GELU in the matrix product's epilogue,
   with ``cfg_batch`` each guidance branch attending unmasked over its own prompt length, and every step's
-  modulation rows computed once a request (the timesteps are the scheduler's). The same arithmetic, other
-  rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
+  modulation rows computed once a request (the timesteps are the scheduler's), and on CUDA with Triton the
+  query/key norms and rotations as one kernel a block (:mod:`~omnimodel_runtime.engines.t2i.kernels`). The
+  same arithmetic, other rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
 - ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
   ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
   the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
