@@ -5,10 +5,10 @@ Under ``compile: regional`` inductor generated this as a loop reduction that rea
 copy of its result into the concatenation (bench/README.md has the profile: 11 ms and 4 ms of a 1024²
 call). Here a program takes ``BLOCK_T`` tokens of one head of one stream's query or key: loads them once,
 norms each ``HEAD_DIM`` row, rotates its channel pairs, stores into its rows of the joint tensor; one launch
-a block covers both streams' queries and keys (launches cost CPU time, and 512² is close to CPU-bound). The arithmetic is diffusers':
-``RMSNorm`` (fp32 variance, the product rounded to the weight's dtype before the weight multiplies, when
-that is half precision) then ``apply_rotary_emb_qwen`` in fp32. Runs on CUDA (CPU tests run it under
-Triton's interpreter); imported lazily.
+a block covers both streams' queries and keys (launches cost CPU time, and 512² is close to CPU-bound). The
+arithmetic is diffusers': ``RMSNorm`` (fp32 variance, the product rounded to the weight's dtype before the
+weight multiplies, when that is half precision) then ``apply_rotary_emb_qwen`` in fp32. Runs on CUDA (CPU
+tests run it under Triton's interpreter); imported lazily.
 """
 
 import torch
