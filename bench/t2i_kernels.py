@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -322,12 +321,13 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     references: dict[int, torch.Tensor] = {}
     torch._dynamo.config.recompile_limit = 64
+    has_triton = fused_blocks_module._HAS_TRITON
     for variant in args.variants.split(","):
         parts = set(variant.split("+"))
         model = base if parts == {"eager"} else copy.deepcopy(base)
         if "fuse" in parts:
             fuse_blocks(model)
-        fused_blocks_module._HAS_TRITON = "notriton" not in parts and importlib.util.find_spec("triton") is not None
+        fused_blocks_module._HAS_TRITON = has_triton and "notriton" not in parts
         if "cudnn" in parts:
             model.set_attention_backend("_native_cudnn")
         torch._inductor.config.max_autotune = "autotune" in parts

@@ -208,7 +208,7 @@ def main() -> None:
     has_triton = fused_blocks_module._HAS_TRITON
     for key, group in groups.items():
         engine_args, notriton = json.loads(key)
-        fused_blocks_module._HAS_TRITON = has_triton and not notriton  # type: ignore[misc]
+        fused_blocks_module._HAS_TRITON = has_triton and not notriton
         sections: dict[str, dict[str, Any]] = {}
         for variant in group:
             sections[variant] = {"engine_args": engine_args | ({"cfg_batch": True} if "cfgbatch" in variant else {})}

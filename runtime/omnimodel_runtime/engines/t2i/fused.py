@@ -37,10 +37,11 @@ a read of the weights:
 
 - **On CUDA, the query/key norms and rotations as one Triton kernel a block** (engines/t2i/kernels.py): it
   reads each projection once and writes the joint ``[image; text]`` query and key, where inductor's loop
-  reduction read each row twice and copied its result into the concatenation. And the rows' unmasked
-  attention as one opaque op (:func:`joint_attention`), so inductor hands it views of the joint tensors
-  instead of copying each row's slices out. Qwen-Image 1024² 5.04 s against 5.22 s, 512² 1.32 against 1.35
-  on the H200 (bench/results/t2i-qwen-image-fuse-kernel-qk-attnop-pair-h200.json).
+  reduction read each row twice and copied its result into the concatenation: Qwen-Image 1024² 5.04 s
+  against 5.22 s with inductor's kernels, 512² 1.32 against 1.35, side by side on the H200
+  (bench/results/t2i-qwen-image-fuse-kernel-qk-attnop-pair-h200.json). And the rows' unmasked attention as
+  one opaque op (:func:`joint_attention`, on every device), so inductor hands it views of the joint tensors
+  instead of copying each row's slices out (1024² 5.12 s without it in another run, with the kernel).
 
 Off by default: diffusers' own blocks stay the reference, and tests check ``fuse_blocks`` against them.
 """
@@ -117,8 +118,9 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[in
 
 
 # Triton (CUDA builds of torch ship it) for engines/t2i/kernels.py; elsewhere the blocks norm and rotate in
-# PyTorch operations.
-_HAS_TRITON: Final = importlib.util.find_spec("triton") is not None
+# PyTorch operations. Not Final: the benchmarks (bench/t2i_speed.py, t2i_kernels.py) switch it off for their
+# ``notriton`` variants.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _kernel_applies(attn: Any, hidden_states: torch.Tensor, head_dim: int) -> bool:
@@ -208,8 +210,9 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
         if attention_mask is None and self._parallel_config is None:
             # One opaque op for the rows' attention calls: inductor hands it the joint tensors as they are,
             # and each row attends over a view of them (inside a compiled graph the attention kernel's
-            # input constraints made inductor copy each row's slices out first: 55.8 against 51.5 ms of
-            # attention a 1024² batched call on the H200, bench/README.md).
+            # input constraints made inductor copy each row's slices out first). With the Triton kernel,
+            # Qwen-Image 1024² took 5.12 s without this op and 5.04 s with it on the H200, in two runs, not
+            # side by side (bench/README.md).
             ends = [seq_img + n for n in text_lengths] if split and text_lengths is not None else []
             rows = [
                 r.to(dtype)
