@@ -9,6 +9,11 @@ the pipeline call). Variants that differ only in it form one group on the same t
 alternating runs (``a b a b ...``) so that drift hits both alike;
 a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
 
+The prompts are encoded as the engine's encode stage encodes them (the family's ``encode``, then the
+pipeline call on the embeddings, as the denoise stage makes it); under ``cfg_batch`` both prompts in one
+text-encoder pass (``encode_together``), except in a ``seqenc`` variant (one after the other, as without
+it), which shares its group and alternates with its twin.
+
     python bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --out result.json
 
 Loads the pipeline once (a full ``omnimodel bench`` per option would load it twice more per option); the
@@ -82,6 +87,27 @@ def mask_effect(pipe: Any, size: int) -> dict[str, Any]:
     }
 
 
+def encode_effect(pipe: Any, family: Any, max_sequence_length: int, runs: int = 5) -> dict[str, Any]:
+    """The prompt and the negative prompt encoded one after the other (``encode``) and in one pass
+    (``encode_together``, ``cfg_batch``): p50 seconds of each, alternating, and max |difference| of the rows."""
+    times: dict[str, list[float]] = {"encode": [], "encode_together": []}
+    rows: dict[str, Any] = {}
+    with torch.inference_mode():
+        for _ in range(runs + 1):
+            for name, taken in times.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                rows[name] = getattr(family, name)(pipe, PROMPT, NEGATIVE, max_sequence_length).tensors
+                torch.cuda.synchronize()
+                taken.append(time.perf_counter() - t0)
+    one, two = rows["encode"], rows["encode_together"]
+    return {f"{name}_p50_s": round(statistics.median(ts[1:]), 4) for name, ts in times.items()} | {
+        "prompt_tokens": [int(one[k].shape[1]) for k in ("prompt_embeds", "negative_prompt_embeds")],
+        "embeds_abs_max": round(float(one["prompt_embeds"].abs().max()), 4),
+        "together_max_abs_diff": round(max(float((one[k] - two[k]).abs().max()) for k in one), 6),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, type=Path)
@@ -118,17 +144,23 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     reference: dict[int, np.ndarray] = {}
 
-    def image(size: int, cfg_batch: bool, prompt: str = PROMPT) -> tuple[np.ndarray, float]:
+    max_sequence_length = family.defaults(type(pipe), args.model).max_sequence_length
+
+    def image(size: int, variant: str, prompt: str = PROMPT) -> tuple[np.ndarray, float]:
+        cfg_batch = "cfgbatch" in variant
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        # The engine's encode stage, then its denoise call on the embeddings (engines/t2i/diffusers.py).
+        encode = family.encode_together if cfg_batch and "seqenc" not in variant else family.encode
+        conditioning = encode(pipe, prompt, NEGATIVE, max_sequence_length)
+        kwargs, inputs = family.denoise_inputs(pipe, [(conditioning, 1)], None)
         guidance = BatchedGuidance(pipe, family.merge_guidance) if cfg_batch else contextlib.nullcontext()
         # As the engine runs a fused transformer: each step's modulation rows from one table a call.
         schedule = ModulationSchedule(pipe)
-        with guidance, schedule:
+        with guidance, schedule, inputs:
             out = pipe(
-                prompt,
-                negative_prompt=NEGATIVE,
+                **kwargs,
                 true_cfg_scale=args.cfg,
                 width=size,
                 height=size,
@@ -157,14 +189,14 @@ def main() -> None:
             first: dict[str, float] = {}
             wall = time.perf_counter()
             for variant in group:  # warm-up (and compilation, for compiled variants)
-                images[variant], first[variant] = image(size, "cfgbatch" in variant)
+                images[variant], first[variant] = image(size, variant)
             for _ in range(args.runs):
                 for variant in group:
-                    images[variant], took = image(size, "cfgbatch" in variant)
+                    images[variant], took = image(size, variant)
                     times[variant].append(took)
             # A prompt of another token count after the timed runs: what a server's next request pays
             # (a compiled variant that had to compile again for it shows it here).
-            other = {variant: image(size, "cfgbatch" in variant, OTHER_PROMPT)[1] for variant in group}
+            other = {variant: image(size, variant, OTHER_PROMPT)[1] for variant in group}
             for variant in group:
                 row: dict[str, Any] = {
                     "first_call_s": round(first[variant], 3),
@@ -177,9 +209,12 @@ def main() -> None:
                     reference[size] = images[variant]
                 elif size in reference:
                     row |= differences(images[variant], reference[size], "eager")
-                twin = variant.replace("+cfgbatch", "").replace("cfgbatch", "eager")
+                twin = variant.replace("+seqenc", "").replace("+cfgbatch", "").replace("cfgbatch", "eager")
                 if "cfgbatch" in variant and twin in images:
                     row |= differences(images[variant], images[twin], "sequential")
+                together = variant.replace("+seqenc", "")
+                if "seqenc" in variant and together in images:
+                    row |= differences(images[variant], images[together], "encoded_together")
                 sections[variant][f"{size}x{size}"] = row
                 print(variant, size, row, flush=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -201,6 +236,9 @@ def main() -> None:
 
     report["meta"]["mask_effect"] = mask_effect(pipe, sizes[0])
     print("mask effect", report["meta"]["mask_effect"], flush=True)
+    if cuda:
+        report["meta"]["encode_effect"] = encode_effect(pipe, family, max_sequence_length)
+        print("encode effect", report["meta"]["encode_effect"], flush=True)
     groups: dict[str, list[str]] = {}
     for variant in args.variants.split(","):
         key = json.dumps([engine_args_of(variant), "notriton" in variant], sort_keys=True)

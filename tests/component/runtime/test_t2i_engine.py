@@ -306,7 +306,8 @@ async def test_parameters_out_of_bounds_never_become_a_stage_request(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cfg_batched(tiny_t2i: Path) -> AsyncIterator[Deployed]:
-    """The split preset with ``cfg_batch`` on (only denoise acts on it)."""
+    """The split preset with ``cfg_batch`` on (encode encodes both prompts in one pass, denoise runs both
+    branches in one call)."""
     preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
     async with deploy(preset, tiny_t2i, batch_wait=5.0, cfg_batch=True) as deployed:
         yield deployed
@@ -353,6 +354,35 @@ async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per
         plain = await generate(cfg_batched, prompt, seed=12)
     assert sizes == [1] * STEPS
     assert np.array_equal(plain, direct(diffusers_pipe, prompt, seed=12))
+
+
+async def test_cfg_batch_encodes_the_prompt_and_the_negative_prompt_in_one_text_encoder_pass(
+    cfg_batched: Deployed, diffusers_pipe: Any
+) -> None:
+    prompt = "a shiny robot holding a sign that says hello world"  # longer than the negative: padded
+    encode = cfg_batched.engines["encode"]
+    rows: list[int] = []
+
+    def record(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+
+    handle = encode._pipe.text_encoder.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        got = await generate(cfg_batched, prompt, seed=7, **CFG)
+        await generate(cfg_batched, prompt, seed=7)  # no guidance: one prompt to encode
+    finally:
+        handle.remove()
+    assert rows == [2, 1]
+    assert_rounding_only(direct(diffusers_pipe, prompt, seed=7, **CFG), got)
+    # Each row as the prompt's own encoding gives it: its tokens alone, no mask, rounded otherwise.
+    family, length = QwenImageFamily(), encode._defaults.max_sequence_length
+    with torch.inference_mode():
+        alone = family.encode(diffusers_pipe, prompt, CFG["negative_prompt"], length).tensors
+        together = family.encode_together(diffusers_pipe, prompt, CFG["negative_prompt"], length).tensors
+    assert alone.keys() == together.keys() == {"prompt_embeds", "negative_prompt_embeds"}
+    for name, row in alone.items():
+        assert together[name].shape == row.shape
+        torch.testing.assert_close(together[name], row, rtol=0, atol=1e-5 * float(row.abs().max()))
 
 
 async def test_cfg_batch_in_a_batch_of_requests_keeps_each_requests_image(cfg_batched: Deployed) -> None:

@@ -21,7 +21,8 @@ dtype in ``meta["dtypes"]``, so nothing is rounded on the way.
 All model work runs on the engine's worker thread (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`);
 the event loop only validates, submits and relays the frames the worker posts back.
 
-Speed options (``engine_args``, denoise and whole; off by default, so the output is diffusers' own):
+Speed options (``engine_args``, denoise and whole, ``cfg_batch`` also encode; off by default, so the output is
+diffusers' own):
 
 - ``compile: regional`` compiles the transformer's repeated block once with ``torch.compile`` and reuses
   it for every block (diffusers' ``compile_repeated_blocks``): CUDA kernels fused, far fewer launches.
@@ -53,9 +54,11 @@ Speed options (``engine_args``, denoise and whole; off by default, so the output
   same arithmetic, other rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
 - ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
   ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
-  the guidance combination stays the pipeline's. Off by default: with prompts of different lengths the
-  batched call attends through a padding mask, and the pixels then differ from diffusers' by rounding
-  (bench/t2i_speed.py measures how much); off, they are diffusers' own, which tests and the benchmark check.
+  the guidance combination stays the pipeline's. In the encode (or whole) stage it encodes the prompt and
+  the negative prompt in one text-encoder pass (the family's ``encode_together``). Off by default: with
+  prompts of different lengths the batched calls attend through a padding mask, and the pixels then differ
+  from diffusers' by rounding (bench/t2i_speed.py measures how much); off, they are diffusers' own, which
+  tests and the benchmark check.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -484,7 +487,8 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
             # pipeline draws its VAE sample from the first one, here, and denoise continues them.
             generators = [torch.Generator("cpu").manual_seed(s) for s in job.params.seeds()]
             return self._family.encode_masked(self._inpaint, prompt, negative, length, image, mask, generators)
-        return self._family.encode(self._pipe, prompt, negative, length, image)
+        encode = self._family.encode_together if self._cfg_batch else self._family.encode
+        return encode(self._pipe, prompt, negative, length, image)
 
     def _encode(self, job: _Job) -> None:
         conditioning = self._encode_conditioning(job)
