@@ -37,7 +37,7 @@ images: ## Build operator + runtime images with their default tags (needs docker
 lint: ## ruff (lint + format check), mypy --strict, import-linter
 	$(VENV_BIN)ruff check .
 	$(VENV_BIN)ruff format --check .
-	$(VENV_BIN)mypy operator/omnimodel_operator runtime/omnimodel_runtime $(wildcard e2e/omnimodel_testbed)
+	$(VENV_BIN)mypy operator/omnimodel_operator runtime/omnimodel_runtime $(wildcard e2e/omnimodel_testbed) bench
 	$(VENV_BIN)lint-imports
 	$(VENV_BIN)hadolint --failure-threshold style docker/*.Dockerfile
 

@@ -113,7 +113,7 @@ def _instrument(path: str) -> None:
                     pstats.Stats(_profiler, stream=text).sort_stats("cumulative").print_stats(45)
                     Path(f"{profile_prefix}-{self.stage.name}.txt").write_text(text.getvalue())
 
-        cls._prefill = timed_prefill  # type: ignore[method-assign]
+        cls._prefill = timed_prefill  # type: ignore[method-assign,assignment]
 
     if profile_prefix:
         # The talker's batched decode steps too (PREFIX-talker-decode.txt, by own time: a step blocked on
@@ -157,7 +157,7 @@ def _instrument(path: str) -> None:
         finish(self, window, mel)
         add(ev="finish", t0=t0, rid=self.job.request.request_id, start=window.start, end=window.end)
 
-    code2wav._Chunked.finish = timed_finish  # type: ignore[method-assign]
+    code2wav._Chunked.finish = timed_finish  # type: ignore[method-assign,assignment]
 
 
 def child(argv: list[str]) -> int:
@@ -242,7 +242,9 @@ def summarise(events: list[dict[str, Any]], seen: dict[str, Any]) -> dict[str, A
         def rel(t: float | None) -> float | None:
             return None if t is None else round(t - t0, 4)
 
-        gaps = lambda ts: [b - a for a, b in itertools.pairwise(ts)]  # noqa: E731
+        def gaps(ts: list[float]) -> list[float]:
+            return [b - a for a, b in itertools.pairwise(ts)]
+
         end = client["end"]
         steps: dict[str, Any] = {}
         for stage in ("thinker", "talker", "code2wav"):
