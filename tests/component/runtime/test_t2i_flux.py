@@ -19,6 +19,7 @@ from stage_engines import diffusers_images, diffusers_pipeline, images_of, stage
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
+from omnimodel_runtime.engines.t2i.families import FluxFamily
 from omnimodel_runtime.pipeline import ModelSource, get_preset
 from omnimodel_runtime.protocol.images import TextToImageParams
 from omnimodel_runtime.protocol.stage import StageParams, StageRequest
@@ -131,3 +132,21 @@ async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> 
     assert len(np.unique(served)) > 20
     for got, want in zip(served, expected, strict=True):
         assert np.array_equal(got, want)
+
+
+async def test_flux_encodes_its_prompts_under_cfg_batch_as_without_it(tiny_flux: Path) -> None:
+    """``cfg_batch``'s one-pass encoding is Qwen-Image's: FLUX (two encoders, pooled rows, no masks) encodes
+    the prompt and the negative prompt as without it, one after the other."""
+    pipe = diffusers_pipeline("FluxPipeline", tiny_flux)
+    family = FluxFamily()
+    with torch.inference_mode():
+        alone = family.encode(pipe, PROMPT, "bad quality", 512).tensors
+        together = family.encode_together(pipe, PROMPT, "bad quality", 512).tensors
+    assert alone.keys() == together.keys() == {
+        "prompt_embeds",
+        "pooled_prompt_embeds",
+        "negative_prompt_embeds",
+        "negative_pooled_prompt_embeds",
+    }
+    for name, tensor in alone.items():
+        assert torch.equal(together[name], tensor)

@@ -646,33 +646,6 @@ class FluxFamily(Family):
             tensors |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
         return Conditioning(tensors=tensors, prompt_tokens=int(embeds.shape[1]))
 
-    def encode_together(
-        self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
-    ) -> Conditioning:
-        """Both prompts as one batch of the pipeline's own encoding (``encode_prompt`` takes a list: it
-        right-pads the template-wrapped prompts, encodes them under their padding mask and cuts each row at
-        its length), each row then cut to its prompt's length, as :meth:`encode` returns it. The text
-        encoder is launch-bound at prompt lengths: on the H200 (Qwen2.5-VL-7B) a prompt and the default
-        negative took 53 ms together against 86 ms one after the other
-        (bench/results/t2i-qwen-image-encode-together-h200.json). A prompt with an
-        input image (the edit family) encodes as :meth:`encode` does."""
-        if negative_prompt is None or image is not None:
-            return self.encode(pipe, prompt, negative_prompt, max_sequence_length, image)
-        kwargs = {
-            "device": pipe._execution_device,
-            "num_images_per_prompt": 1,
-            "max_sequence_length": max_sequence_length,
-        }
-        embeds, mask = pipe.encode_prompt(prompt=[prompt, negative_prompt], **kwargs)
-        # No mask: both rows have the same length (the pipeline drops an all-ones mask).
-        lengths = [int(embeds.shape[1])] * 2 if mask is None else [int(n) for n in mask.sum(dim=1).tolist()]
-        # A single prompt's encoding has no mask (all ones, dropped): neither has a row of its own here.
-        tensors = {
-            "prompt_embeds": embeds[:1, : lengths[0]].contiguous(),
-            "negative_prompt_embeds": embeds[1:, : lengths[1]].contiguous(),
-        }
-        return Conditioning(tensors=tensors, prompt_tokens=lengths[0])
-
     def decode(self, pipe: Any, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
         vae = pipe.vae
         latents = pipe._unpack_latents(latents.to(vae.device), height, width, pipe.vae_scale_factor)
