@@ -142,11 +142,7 @@ async def test_flux_encodes_its_prompts_under_cfg_batch_as_without_it(tiny_flux:
     with torch.inference_mode():
         alone = family.encode(pipe, PROMPT, "bad quality", 512).tensors
         together = family.encode_together(pipe, PROMPT, "bad quality", 512).tensors
-    assert alone.keys() == together.keys() == {
-        "prompt_embeds",
-        "pooled_prompt_embeds",
-        "negative_prompt_embeds",
-        "negative_pooled_prompt_embeds",
-    }
+    names = {"prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"}
+    assert alone.keys() == together.keys() == names
     for name, tensor in alone.items():
         assert torch.equal(together[name], tensor)
