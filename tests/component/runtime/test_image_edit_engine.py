@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 from PIL import Image
 from runtime_procs import random_png, torch_threads
 from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor
+from omnimodel_runtime.engines.t2i.families import QwenImageEditFamily, load_qwen_vl_processor
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
@@ -114,6 +115,20 @@ async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
     assert len(np.unique(expected)) > 50
     assert np.array_equal(await edit(split, image, prompt, **params), expected)
     assert np.array_equal(await edit(whole, image, prompt, **params), expected)
+
+
+async def test_its_prompts_encode_one_at_a_time_under_cfg_batch_too(diffusers_pipe: Any) -> None:
+    # cfg_batch's one-pass encoding is Qwen-Image's: here each prompt's encoding carries the image's tokens,
+    # so the edit family encodes as without it (the inherited Qwen-Image one would drop the image).
+    picture = Image.open(io.BytesIO(random_png(40, 56, seed=1))).convert("RGB")
+    family = QwenImageEditFamily()
+    with torch.inference_mode():
+        alone = family.encode(diffusers_pipe, "make the cat blue", "blurry", 512, picture).tensors
+        together = family.encode_together(diffusers_pipe, "make the cat blue", "blurry", 512, picture).tensors
+    assert alone.keys() == together.keys()
+    assert "negative_prompt_embeds" in alone
+    for name, tensor in alone.items():
+        assert torch.equal(together[name], tensor)
 
 
 async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path, diffusers_pipe: Any) -> None:

@@ -171,9 +171,8 @@ async def test_vllm_omnis_qwen3_omni_client_gets_text_and_audio_for_its_audio_ur
 ) -> None:
     """Its body unchanged (plus its seed, as the request's), on a server set up as docs/vllm-omni-compat.md
     says for its clients (chat answers text and audio when ``modalities`` is left out): the answer has text
-    and a WAV, and the thinker
-    read the audio exactly as an ``input_audio`` part of the same file (the same prompt tokens, more than
-    without it)."""
+    and a WAV, and the thinker read the audio exactly as an ``input_audio`` part of the same file (the same
+    prompt tokens, more than without it)."""
     wav = wav_file(2)
     audio_url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(wav).decode()}}
     question = {"type": "text", "text": "What is the content of this audio?"}

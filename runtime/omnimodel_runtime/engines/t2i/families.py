@@ -261,6 +261,11 @@ class Family(abc.ABC):
         """Channels of one unpacked latent cell."""
 
 
+def _encode_kwargs(pipe: Any, max_sequence_length: int) -> dict[str, Any]:
+    """``encode_prompt``'s arguments for one request's rows (one image a prompt: batching repeats them)."""
+    return {"device": pipe._execution_device, "num_images_per_prompt": 1, "max_sequence_length": max_sequence_length}
+
+
 def pad_and_mask(
     rows: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,11 +307,7 @@ class QwenImageFamily(Family):
     def encode(
         self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
     ) -> Conditioning:
-        kwargs = {
-            "device": pipe._execution_device,
-            "num_images_per_prompt": 1,
-            "max_sequence_length": max_sequence_length,
-        }
+        kwargs = _encode_kwargs(pipe, max_sequence_length)
         tensors: dict[str, torch.Tensor] = {}
         embeds, mask = pipe.encode_prompt(prompt=prompt, **kwargs)
         tensors["prompt_embeds"] = embeds
@@ -327,19 +328,14 @@ class QwenImageFamily(Family):
         its length), each row then cut to its prompt's length, as :meth:`encode` returns it. The text
         encoder is launch-bound at prompt lengths: on the H200 (Qwen2.5-VL-7B) a prompt and the default
         negative took 53 ms together against 86 ms one after the other
-        (bench/results/t2i-qwen-image-encode-together-h200.json). A prompt with an
-        input image (the edit family) encodes as :meth:`encode` does."""
-        if negative_prompt is None or image is not None:
+        (bench/results/t2i-qwen-image-encode-together-h200.json)."""
+        if negative_prompt is None:
             return self.encode(pipe, prompt, negative_prompt, max_sequence_length, image)
-        kwargs = {
-            "device": pipe._execution_device,
-            "num_images_per_prompt": 1,
-            "max_sequence_length": max_sequence_length,
-        }
+        kwargs = _encode_kwargs(pipe, max_sequence_length)
         embeds, mask = pipe.encode_prompt(prompt=[prompt, negative_prompt], **kwargs)
-        # No mask: both rows have the same length (the pipeline drops an all-ones mask).
+        # No mask: both rows have the same length (the pipeline drops an all-ones mask). Neither row gets a
+        # mask either: a prompt encoded alone has none, and denoise must see the tensors encode gives.
         lengths = [int(embeds.shape[1])] * 2 if mask is None else [int(n) for n in mask.sum(dim=1).tolist()]
-        # A single prompt's encoding has no mask (all ones, dropped): neither has a row of its own here.
         tensors = {
             "prompt_embeds": embeds[:1, : lengths[0]].contiguous(),
             "negative_prompt_embeds": embeds[1:, : lengths[1]].contiguous(),
@@ -435,6 +431,9 @@ class QwenImageEditFamily(QwenImageFamily):
     edits: ClassVar[bool] = True
     inpaints: ClassVar[bool] = True
     encode_components: ClassVar[tuple[str, ...]] = (*ENCODE_COMPONENTS, "processor", "vae")
+    # One prompt at a time under cfg_batch too (the base class's): each prompt's encoding carries the input
+    # image's tokens through the processor, and this family's guidance branches are not batched either.
+    encode_together = Family.encode_together
     # ``calculate_dimensions``' target area in ``QwenImageEditPipeline.__call__``.
     CONDITION_AREA: ClassVar[int] = 1024 * 1024
 
@@ -478,7 +477,7 @@ class QwenImageEditFamily(QwenImageFamily):
         prompt_image = pipe.image_processor.resize(image, height, width)
         pixels = pipe.image_processor.preprocess(prompt_image, height, width).unsqueeze(2)
         device = pipe._execution_device
-        kwargs = {"device": device, "num_images_per_prompt": 1, "max_sequence_length": max_sequence_length}
+        kwargs = _encode_kwargs(pipe, max_sequence_length)
         tensors: dict[str, torch.Tensor] = {}
         embeds, mask = pipe.encode_prompt(prompt=prompt, image=prompt_image, **kwargs)
         tensors["prompt_embeds"] = embeds
@@ -634,11 +633,7 @@ class FluxFamily(Family):
     def encode(
         self, pipe: Any, prompt: str, negative_prompt: str | None, max_sequence_length: int, image: Any = None
     ) -> Conditioning:
-        kwargs = {
-            "device": pipe._execution_device,
-            "num_images_per_prompt": 1,
-            "max_sequence_length": max_sequence_length,
-        }
+        kwargs = _encode_kwargs(pipe, max_sequence_length)
         embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, **kwargs)
         tensors = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
         if negative_prompt is not None:
