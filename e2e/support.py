@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -53,6 +54,28 @@ def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path) -> PodRunner:
             "OMNIMODEL_HEALTH_INTERVAL": "0.5",
         },
     )
+
+
+# What a pod log line says went wrong; vLLM colours its level names, so the codes go first.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TROUBLE = re.compile(r"ERROR|WARNING|Traceback|Error:|timeout|timed out", re.IGNORECASE)
+
+
+def pod_log_digest(workdir: Path, *, trouble: int = 30, last: int = 12) -> str:
+    """Every pod log under a pod runner's ``workdir``: its last ``trouble`` lines that name an error,
+    warning or timeout, then its last ``last`` lines. A request that times out through several pods says
+    nothing of where it stopped; this is what a failed e2e test shows beside its traceback."""
+    out: list[str] = []
+    for log in sorted(workdir.glob("*/*.log")):
+        lines = [_ANSI.sub("", ln) for ln in log.read_text(errors="replace").splitlines()]
+        out.append(f"==> {log.parent.name}/{log.name} ({len(lines)} lines)")
+        if not lines:
+            continue
+        flagged = [ln for ln in lines if _TROUBLE.search(ln)][-trouble:]
+        if flagged:
+            out += ["-- errors, warnings, timeouts:", *flagged]
+        out += [f"-- last {min(last, len(lines))} lines:", *lines[-last:]]
+    return "\n".join(out) or f"no pod logs under {workdir}"
 
 
 def example(name: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ that network namespace the pod CIDR is local, so a process bound to a pod's IP i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from omnimodel_testbed.dns import ClusterDNS, service_addresses
 from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.netns import CLUSTER_DNS, NETNS_POD_CIDR
 from omnimodel_testbed.pytest_plugin import ClusterHandle
-from support import Kube, cpu_pod_runner
+from support import Kube, cpu_pod_runner, pod_log_digest
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +45,17 @@ def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: 
         yield runner
     finally:
         runner.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test shows its pods' trouble beside the traceback (before teardown stops them): a request
+    that timed out through a gateway and three stage pods says nothing of which one dropped it, and CI
+    keeps only the output."""
+    report: pytest.TestReport = yield
+    runner = getattr(item, "funcargs", {}).get("pods")
+    if report.failed and isinstance(runner, PodRunner):
+        report.sections.append(("pod logs", pod_log_digest(runner.workdir)))
+    return report
