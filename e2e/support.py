@@ -56,9 +56,12 @@ def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path) -> PodRunner:
     )
 
 
-# What a pod log line says went wrong; vLLM colours its level names, so the codes go first.
+# What a pod log line says went wrong, vLLM-Omni's membership events included (a replica that misses its
+# heartbeats for 30 s is detached from the head); vLLM colours its level names, so the codes go first.
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_TROUBLE = re.compile(r"ERROR|WARNING|Traceback|Error:|timeout|timed out", re.IGNORECASE)
+_TROUBLE = re.compile(
+    r"ERROR|WARNING|Traceback|Error:|timeout|timed out|heartbeat|detach|unregister|disappeared", re.IGNORECASE
+)
 
 
 def pod_log_digest(workdir: Path, *, trouble: int = 30, last: int = 12) -> str:
