@@ -4,14 +4,18 @@ shared-memory shortcut cannot pass. Requests go through the API Service with the
 
 Timings on 2 cores (tiny models, CPU): the image graph is up in about a minute, the three-pod
 Qwen2.5-Omni graph in about two; a lost replica is recovered (head and replicas restarted together by
-the operator) within RECOVERY_BOUND.
+the operator) within RECOVERY_BOUND; a stalled talker is detached about 30 s after it stops, and a new
+head serves audio again about two minutes after it starts.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import re
+import signal
+import subprocess
 import threading
 import time
 import wave
@@ -45,6 +49,20 @@ def heads(pods: PodRunner) -> list[PodProcess]:
 
 def omnimodel(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "omnimodel.io/v1alpha1", "kind": "OmniModel", "metadata": {"name": name}, "spec": spec}
+
+
+def run_liveness_probe(kube: Kube, instance: str, pod: PodProcess) -> subprocess.CompletedProcess[str]:
+    """The pod's liveness probe, as rendered (exec), run as the kubelet would: the container's env, its
+    timeout. The test bed runs no probes itself, and binds a pod's ports to the pod's IP, not to a
+    loopback of its own: the probe's 127.0.0.1 (the pod's own loopback in a cluster) becomes that IP."""
+    (spec,) = [p for p in kube.pods(f"app.kubernetes.io/instance={instance}") if p["metadata"]["name"] == pod.name]
+    (container,) = spec["spec"]["containers"]
+    probe = container["livenessProbe"]
+    env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}}
+    command = [arg.replace("127.0.0.1", pod.ip) for arg in probe["exec"]["command"]]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=probe["timeoutSeconds"], check=False
+    )
 
 
 def png(client: openai.OpenAI, model: str, prompt: str) -> bytes:
@@ -125,9 +143,9 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
     print(f"replica killed: serving again after {recovery:.0f}s; {failed} request(s) failed meanwhile, none hung")
 
 
-# Its own waits allow 420 s for the three engines to register (118 s measured alone; more under load):
-# pytest-timeout's default 300 s must not cut them short.
-@pytest.mark.timeout(900)
+# Its own waits allow 420 s for the three engines to register, twice (118 s measured alone; more under
+# load): pytest-timeout's default 300 s must not cut them short.
+@pytest.mark.timeout(1200)
 def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: Kube, pods: PodRunner) -> None:
     model_dir = ensure_tiny("qwen2.5-omni-vllm-omni", MODELS)
     small = {"max_num_batched_tokens": 4096, "max_model_len": 4096, "max_num_seqs": 1, "enforce_eager": True}
@@ -174,3 +192,41 @@ def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: K
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
         assert (wav.getnchannels(), wav.getframerate()) == (1, 24000)
         assert wav.getnframes() > 0
+
+    # A talker that stalls past its 30 s heartbeat timeout (a hung device, a throttled node) is detached
+    # by the head and never taken back, even once it resumes: every audio request then fails with 500
+    # "Stage-1 has no live replica", while text still answers. /health turns 503, so the head's liveness
+    # probe fails, and a new head process (the kubelet's restart) brings new replicas (restarts.py).
+    (head,) = pods.processes("omni-thinker-")
+    passed = run_liveness_probe(kube, "omni", head)
+    assert passed.returncode == 0, passed.stderr
+    (talker,) = pods.processes("omni-talker-")
+    os.killpg(talker.proc.pid, signal.SIGSTOP)
+    stalled = time.monotonic()
+    try:
+        wait_for(lambda: "detached replica stage=1" in log_text(head), 120, what="the head detached the stalled talker")
+    finally:
+        os.killpg(talker.proc.pid, signal.SIGCONT)
+    detached = time.monotonic() - stalled
+    wait_for(lambda: not healthy(base), 30, what="/health 503 without a live talker")
+    failed = run_liveness_probe(kube, "omni", head)
+    assert failed.returncode != 0 and "503" in failed.stderr, failed
+    # The test bed restarts no container on a failed probe: deleting the head's pod gives the same new
+    # head process, whose replicas the operator then restarts.
+    kube.run("delete", "pod", head.name, "--wait=false")
+    restarted = time.monotonic()
+    wait_for(
+        lambda: any(p.uid != head.uid for p in pods.processes("omni-thinker-")) and healthy(base),
+        420,
+        interval=2,
+        what="a new head with every stage registered",
+    )
+    # The stalled talker was replaced (its Deployment rolled), not taken back.
+    wait_for(lambda: talker.uid not in {p.uid for p in pods.processes("omni-talker-")}, 60, what="the old talker gone")
+    spoken = client.chat.completions.create(
+        model="qwen-omni", messages=[{"role": "user", "content": "hello"}], extra_body={"modalities": ["text", "audio"]}
+    )
+    audio = next((c.message.audio for c in spoken.choices if c.message.audio), None)
+    assert audio is not None and base64.b64decode(audio.data), spoken
+    served = time.monotonic() - restarted
+    print(f"talker stalled: detached after {detached:.0f}s; a new head served audio {served:.0f}s after")

@@ -63,13 +63,20 @@ DEPLOY_DIR: Final = C.PIPELINE_MOUNT_DIR
 STARTUP_SECONDS: Final = 1800
 API_KEY_SECRET_KEY: Final = "api-key"  # noqa: S105  (the name of a Secret key, not a secret)
 
-# The head's liveness probe for configs whose entry stage answers text: a one-token chat through the
-# orchestrator. vLLM-Omni 0.30.0's /health stays 200 when the orchestrator is wedged (a replica that
-# died mid-request can block it), so only a real request tells; text requests touch the entry stage only.
+# The head's liveness probe for configs whose entry stage answers text: /health, then a one-token, text-only
+# chat through the orchestrator. vLLM-Omni 0.30.0's /health stays 200 when the orchestrator is wedged (a
+# replica that died mid-request can block it), so only a real request tells; a text-only one touches the
+# entry stage alone (without `modalities` it takes the config's default outputs: for Qwen2.5-Omni a talker
+# and code2wav run every probe). /health covers the later stages: 503 while one has no live replica. That
+# state does not heal: 0.30.0 never re-attaches a replica it detached, even one that only stalled past its
+# 30 s heartbeat timeout and then resumed (e2e test_vllm_omni_operator); a new head process does, since
+# restarts.py then restarts the replicas. urlopen raises on a 503, so the probe fails.
 _CANARY: Final = """import json, os, sys, urllib.request
-body = json.dumps({"model": os.environ["OMNIMODEL_SERVED_NAME"], "max_tokens": 1,
+base = "http://127.0.0.1:%s" % os.environ["OMNIMODEL_API_PORT"]
+urllib.request.urlopen(base + "/health", timeout=5)
+body = json.dumps({"model": os.environ["OMNIMODEL_SERVED_NAME"], "max_tokens": 1, "modalities": ["text"],
                    "messages": [{"role": "user", "content": "ping"}]}).encode()
-req = urllib.request.Request("http://127.0.0.1:%s/v1/chat/completions" % os.environ["OMNIMODEL_API_PORT"],
+req = urllib.request.Request(base + "/v1/chat/completions",
                              body, {"Content-Type": "application/json",
                                     "Authorization": "Bearer " + os.environ.get("VLLM_API_KEY", "x")})
 sys.exit(0 if urllib.request.urlopen(req, timeout=20).status == 200 else 1)
