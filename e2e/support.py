@@ -60,7 +60,7 @@ def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path) -> PodRunner:
 # heartbeats for 30 s is detached from the head); vLLM colours its level names, so the codes go first.
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TROUBLE = re.compile(
-    r"ERROR|WARNING|Traceback|Error:|timeout|timed out|heartbeat|detach|unregister|disappeared", re.IGNORECASE
+    r"error|warning|traceback|timeout|timed out|heartbeat|detach|unregister|disappeared", re.IGNORECASE
 )
 
 

@@ -48,9 +48,7 @@ def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: 
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test shows its pods' trouble beside the traceback (before teardown stops them): a request
     that timed out through a gateway and three stage pods says nothing of which one dropped it, and CI
     keeps only the output."""

@@ -65,6 +65,17 @@ def run_liveness_probe(kube: Kube, instance: str, pod: PodProcess) -> subprocess
     )
 
 
+def spoken_wav(client: openai.OpenAI, model: str) -> tuple[int, int, int]:
+    """A text + audio chat's WAV: (channels, frame rate, frames)."""
+    spoken = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], extra_body={"modalities": ["text", "audio"]}
+    )
+    audio = next((c.message.audio for c in spoken.choices if c.message.audio), None)
+    assert audio is not None, spoken
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
+        return wav.getnchannels(), wav.getframerate(), wav.getnframes()
+
+
 def png(client: openai.OpenAI, model: str, prompt: str) -> bytes:
     image = client.images.generate(model=model, prompt=prompt, size="64x64", response_format="b64_json")
     return base64.b64decode(image.data[0].b64_json or "") if image.data else b""
@@ -146,7 +157,9 @@ def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_r
 # Its own waits allow 420 s for the three engines to register, twice (118 s measured alone; more under
 # load): pytest-timeout's default 300 s must not cut them short.
 @pytest.mark.timeout(1200)
-def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: Kube, pods: PodRunner) -> None:
+def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio_and_outlives_a_stalled_talker(
+    kube: Kube, pods: PodRunner
+) -> None:
     model_dir = ensure_tiny("qwen2.5-omni-vllm-omni", MODELS)
     small = {"max_num_batched_tokens": 4096, "max_model_len": 4096, "max_num_seqs": 1, "enforce_eager": True}
     kube.apply(
@@ -184,14 +197,8 @@ def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: K
         model="qwen-omni", messages=[{"role": "user", "content": "hello"}], extra_body={"modalities": ["text"]}
     )
     assert text.choices[0].message.content
-    spoken = client.chat.completions.create(
-        model="qwen-omni", messages=[{"role": "user", "content": "hello"}], extra_body={"modalities": ["text", "audio"]}
-    )
-    audio = next((c.message.audio for c in spoken.choices if c.message.audio), None)
-    assert audio is not None, spoken
-    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
-        assert (wav.getnchannels(), wav.getframerate()) == (1, 24000)
-        assert wav.getnframes() > 0
+    channels, rate, frames = spoken_wav(client, "qwen-omni")
+    assert (channels, rate) == (1, 24000) and frames > 0
 
     # A talker that stalls past its 30 s heartbeat timeout (a hung device, a throttled node) is detached
     # by the head and never taken back, even once it resumes: every audio request then fails with 500
@@ -223,10 +230,7 @@ def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: K
     )
     # The stalled talker was replaced (its Deployment rolled), not taken back.
     wait_for(lambda: talker.uid not in {p.uid for p in pods.processes("omni-talker-")}, 60, what="the old talker gone")
-    spoken = client.chat.completions.create(
-        model="qwen-omni", messages=[{"role": "user", "content": "hello"}], extra_body={"modalities": ["text", "audio"]}
-    )
-    audio = next((c.message.audio for c in spoken.choices if c.message.audio), None)
-    assert audio is not None and base64.b64decode(audio.data), spoken
+    channels, rate, frames = spoken_wav(client, "qwen-omni")
+    assert (channels, rate) == (1, 24000) and frames > 0
     served = time.monotonic() - restarted
     print(f"talker stalled: detached after {detached:.0f}s; a new head served audio {served:.0f}s after")

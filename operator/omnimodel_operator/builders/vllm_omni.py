@@ -66,11 +66,12 @@ API_KEY_SECRET_KEY: Final = "api-key"  # noqa: S105  (the name of a Secret key, 
 # The head's liveness probe for configs whose entry stage answers text: /health, then a one-token, text-only
 # chat through the orchestrator. vLLM-Omni 0.30.0's /health stays 200 when the orchestrator is wedged (a
 # replica that died mid-request can block it), so only a real request tells; a text-only one touches the
-# entry stage alone (without `modalities` it takes the config's default outputs: for Qwen2.5-Omni a talker
-# and code2wav run every probe). /health covers the later stages: 503 while one has no live replica. That
-# state does not heal: 0.30.0 never re-attaches a replica it detached, even one that only stalled past its
-# 30 s heartbeat timeout and then resumed (e2e test_vllm_omni_operator); a new head process does, since
-# restarts.py then restarts the replicas. urlopen raises on a 503, so the probe fails.
+# entry stage alone (without `modalities` it takes the config's default outputs: for Qwen2.5-Omni it ran
+# through the talker, failing 500 "Stage-1 has no live replica" with the talker detached). /health covers
+# the later stages: 503 while one has no live replica. That state does not heal: 0.30.0 never re-attaches a
+# replica it detached, even one that only stalled past its 30 s heartbeat timeout and then resumed (e2e
+# test_vllm_omni_operator); a new head process does, since restarts.py then restarts the replicas. urlopen
+# raises on a 503, so the probe fails.
 _CANARY: Final = """import json, os, sys, urllib.request
 base = "http://127.0.0.1:%s" % os.environ["OMNIMODEL_API_PORT"]
 urllib.request.urlopen(base + "/health", timeout=5)
