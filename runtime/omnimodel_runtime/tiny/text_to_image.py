@@ -245,16 +245,21 @@ def build_modules(
     dtype = getattr(torch, arch["dtype"])
     # Seed the global RNG before each part: module initialisers draw from it, and the same seed must
     # give the same bytes whatever the other parts' sizes. Modules are built in float32 (as
-    # from_pretrained computes their buffers) and cast afterwards.
+    # from_pretrained computes their buffers) and cast afterwards, each before the next is built. On a
+    # GPU the transformer is built in its dtype: Qwen-Image's 20 B parameters in float32 (82 GB) do not
+    # fit an 80 GB card (its rotary tables are float32 either way: diffusers computes them so).
     with torch.device(device):
         torch.manual_seed(seed)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().to(dtype)
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(**arch["transformer"])
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype if torch.device(device).type == "cuda" else torch.float32)
+        try:
+            transformer = QwenImageTransformer2DModel(**arch["transformer"]).to(dtype)
+        finally:
+            torch.set_default_dtype(default)
         torch.manual_seed(seed)
-        vae = AutoencoderKLQwenImage(**arch["vae"])
-    if dtype != torch.float32:
-        text_encoder, transformer, vae = (m.to(dtype) for m in (text_encoder, transformer, vae))
+        vae = AutoencoderKLQwenImage(**arch["vae"]).to(dtype)
     gain = float(arch.get("text_gain", 1.0))
     if gain != 1.0:
         with torch.no_grad():
