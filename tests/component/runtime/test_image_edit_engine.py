@@ -132,7 +132,7 @@ async def test_its_prompts_encode_one_at_a_time_under_cfg_batch_too(diffusers_pi
 
 
 async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path, diffusers_pipe: Any) -> None:
-    # fuse_blocks on the edit family (cfg_batch is Qwen-Image's alone): its image stream is [noisy latents;
+    # fuse_blocks on the edit family: its image stream is [noisy latents;
     # input image latents], the rotary table covers both parts, and the modulation rows of both guidance
     # branches come from the request's own schedule. The fused blocks round in another order: one level.
     image, prompt = random_png(40, 56, seed=1), "make the cat blue"
@@ -147,6 +147,35 @@ async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path,
     expected = direct(
         diffusers_pipe, image, prompt, seed=13, width=48, height=32, negative_prompt="blurry", true_cfg_scale=3.0
     )
+    diff = np.abs(expected.astype(int) - got.astype(int))
+    assert diff.max() <= 1
+    assert (diff == 0).mean() > 0.999
+
+
+@pytest.mark.parametrize("fuse_blocks", [False, True], ids=["cfg-batch", "cfg-batch-fused"])
+async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per_step(
+    tiny_edit: Path, diffusers_pipe: Any, fuse_blocks: bool
+) -> None:
+    # Each step's two calls on [noisy latents; input image latents] as one call on [positive; negative]
+    # rows: the negative prompt right-padded (masked, or with fuse_blocks attended over its own length).
+    # Batched products and the padded attention round in another order: one level at most.
+    image, prompt = random_png(40, 56, seed=1), "make the cat blue, keep the background"
+    params = {"seed": 14, "n": 2, "width": 48, "height": 32, "negative_prompt": "blurry", "true_cfg_scale": 3.0}
+    preset = get_preset("qwen-image-edit").pipeline(ModelSource(source="tiny://x"))
+    engine_args = {"cfg_batch": True} | ({"fuse_blocks": True} if fuse_blocks else {})
+    async with stages_in_process(preset, tiny_edit, engine_class=DiffusersImageEngine, **engine_args) as batched:
+        sizes: list[int] = []
+        block = batched.engines["denoise"]._pipe.transformer.transformer_blocks[0]
+        handle = block.register_forward_pre_hook(
+            lambda _m, _a, kwargs: sizes.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+        )
+        try:
+            got = await edit(batched, image, prompt, **params)
+        finally:
+            handle.remove()
+    assert sizes == [4] * STEPS  # [positive; negative] of both images, once a step
+    extra = {k: params[k] for k in ("negative_prompt", "true_cfg_scale", "width", "height")}
+    expected = direct(diffusers_pipe, image, prompt, seed=14, n=2, **extra)
     diff = np.abs(expected.astype(int) - got.astype(int))
     assert diff.max() <= 1
     assert (diff == 0).mean() > 0.999

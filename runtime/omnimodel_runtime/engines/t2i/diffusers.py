@@ -52,13 +52,14 @@ diffusers' own):
   modulation rows computed once a request (the timesteps are the scheduler's), and on CUDA with Triton the
   query/key norms and rotations as one kernel a block (:mod:`~omnimodel_runtime.engines.t2i.kernels`). The
   same arithmetic, other rounding (the GELU acts on the fp32 accumulator); the benchmark states the difference.
-- ``cfg_batch: true`` (Qwen-Image) runs true classifier-free guidance as one transformer call per step on
-  ``[positive; negative]`` instead of the pipeline's two (:mod:`~omnimodel_runtime.engines.t2i.guidance`);
-  the guidance combination stays the pipeline's. In the encode (or whole) stage it encodes the prompt and
-  the negative prompt in one text-encoder pass (the family's ``encode_together``). Off by default: with
-  prompts of different lengths the batched calls attend through a padding mask, and the pixels then differ
-  from diffusers' by rounding (bench/t2i_speed.py measures how much); off, they are diffusers' own, which
-  tests and the benchmark check.
+- ``cfg_batch: true`` (Qwen-Image, Qwen-Image-Edit) runs true classifier-free guidance as one transformer
+  call per step on ``[positive; negative]`` instead of the pipeline's two
+  (:mod:`~omnimodel_runtime.engines.t2i.guidance`); the guidance combination stays the pipeline's. In the
+  encode (or whole) stage it encodes the prompt and the negative prompt in one text-encoder pass (the
+  family's ``encode_together``; Qwen-Image-Edit encodes them one at a time, each with the input image's
+  tokens). Off by default: with prompts of different lengths the batched calls attend through a padding
+  mask, and the pixels then differ from diffusers' by rounding (bench/t2i_speed.py measures how much); off,
+  they are diffusers' own, which tests and the benchmark check.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -292,7 +293,10 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
         pipe.set_progress_bar_config(disable=True)
         family.configure(pipe, model_dir)
         if self._cfg_batch and self.role in (Role.WHOLE, Role.DENOISE) and not family.batches_guidance:
-            raise ValueError(f"engine_args.cfg_batch is implemented for QwenImagePipeline, not {family.pipeline_class}")
+            raise ValueError(
+                "engine_args.cfg_batch is implemented for QwenImagePipeline and QwenImageEditPipeline, "
+                f"not {family.pipeline_class}"
+            )
         self._speed_up(pipe)
         if family.inpaints and self.role is not Role.DECODE:
             self._inpaint = family.inpaint_pipeline(pipe, model_dir)

@@ -426,13 +426,14 @@ class QwenImageEditFamily(QwenImageFamily):
     """
 
     pipeline_class = "QwenImageEditPipeline"
-    # merge_guidance would apply (the same transformer call), but is not checked against this pipeline.
-    batches_guidance: ClassVar[bool] = False
+    # cfg_batch: both guidance branches' calls are Qwen-Image's (the same keyword arguments, the noisy and
+    # the input image's latents as one image stream), so Qwen-Image's merge_guidance batches them.
+    batches_guidance: ClassVar[bool] = True
     edits: ClassVar[bool] = True
     inpaints: ClassVar[bool] = True
     encode_components: ClassVar[tuple[str, ...]] = (*ENCODE_COMPONENTS, "processor", "vae")
     # One prompt at a time under cfg_batch too (the base class's): each prompt's encoding carries the input
-    # image's tokens through the processor, and this family's guidance branches are not batched either.
+    # image's tokens through the processor.
     encode_together = Family.encode_together
     # ``calculate_dimensions``' target area in ``QwenImageEditPipeline.__call__``.
     CONDITION_AREA: ClassVar[int] = 1024 * 1024
