@@ -47,7 +47,7 @@ for section in "$@"; do
       ;;
     t2i)
       [ -d /dev/shm/qwen-image ] || { time om make-tiny --preset text-to-image --size qwen-image --device cuda --out /dev/shm/qwen-image || exit 1; }
-      python3 bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --runs "${T2I_RUNS:-3}" \
+      python3 bench/t2i_speed.py --model /dev/shm/qwen-image --sizes "${T2I_SIZES:-512,1024}" --steps 20 --runs "${T2I_RUNS:-3}" \
         --variants "${T2I_VARIANTS:-eager,cfgbatch,regional,regional+cfgbatch}" \
         --out "$OUT/${T2I_OUT:-t2i-qwen-image-speed-h200.json}" || status=1
       ;;
