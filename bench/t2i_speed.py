@@ -3,12 +3,11 @@ the engine's ``cache`` and ``compile`` options applied by the engine's own code 
 on the same prompt and seed, with the pixel difference from the eager image of the same seed.
 ``taylorseer-blocks`` is ``cache: taylorseer`` with ``cache_scope: blocks``; ``fuse``: ``fuse_blocks``.
 ``notriton`` (with ``fuse``): the blocks' query/key norms and rotations in PyTorch operations instead of
-engines/t2i/kernels.py's Triton kernel (a group of its own); ``catvalue`` (with ``fuse``): the value
-projections concatenated instead of written into the joint tensor (``joint_linear``; a group of its own).
-``cfgbatch`` in a variant's name adds ``cfg_batch`` (both guidance branches in one transformer call, the
-engine's :class:`BatchedGuidance` around the pipeline call). Variants that differ only in it form one group on
-the same transformer state, timed in alternating runs (``a b a b ...``) so that drift hits both alike; a
-``cfgbatch`` variant also gets its pixel difference from its sequential twin.
+engines/t2i/kernels.py's Triton kernel (a group of its own). ``cfgbatch`` in a variant's name adds
+``cfg_batch`` (both guidance branches in one transformer call, the engine's :class:`BatchedGuidance` around
+the pipeline call). Variants that differ only in it form one group on the same transformer state, timed in
+alternating runs (``a b a b ...``) so that drift hits both alike;
+a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
 
 The prompts are encoded as the engine's encode stage encodes them (the family's ``encode``, then the
 pipeline call on the embeddings, as the denoise stage makes it); under ``cfg_batch`` both prompts in one
@@ -242,13 +241,12 @@ def main() -> None:
         print("encode effect", report["meta"]["encode_effect"], flush=True)
     groups: dict[str, list[str]] = {}
     for variant in args.variants.split(","):
-        key = json.dumps([engine_args_of(variant), "notriton" in variant, "catvalue" in variant], sort_keys=True)
+        key = json.dumps([engine_args_of(variant), "notriton" in variant], sort_keys=True)
         groups.setdefault(key, []).append(variant)
     has_triton = fused_blocks_module._HAS_TRITON
     for key, group in groups.items():
-        engine_args, notriton, catvalue = json.loads(key)
+        engine_args, notriton = json.loads(key)
         fused_blocks_module._HAS_TRITON = has_triton and not notriton
-        fused_blocks_module._JOINT_VALUE = not catvalue
         sections: dict[str, dict[str, Any]] = {}
         for variant in group:
             sections[variant] = {"engine_args": engine_args | ({"cfg_batch": True} if "cfgbatch" in variant else {})}

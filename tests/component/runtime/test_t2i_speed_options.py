@@ -20,7 +20,6 @@ import pytest
 import torch
 from stage_engines import diffusers_pipeline
 
-from omnimodel_runtime.engines.t2i import fused as fused_module
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, unfuse_blocks
@@ -195,30 +194,6 @@ def test_fused_blocks_draw_diffusers_image(fused: Any, exact: np.ndarray) -> Non
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # measured: 1, one value of 12288
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_the_joint_value_is_the_concatenation_of_its_two_products(bias: bool) -> None:
-    gen = torch.Generator().manual_seed(0)
-    image_in, text_in = torch.randn(2, 7, 8, generator=gen), torch.randn(2, 3, 5, generator=gen)
-    to_v, add_v = torch.nn.Linear(8, 6, bias=bias), torch.nn.Linear(5, 6, bias=bias)
-    got = fused_module.joint_linear(image_in, text_in, to_v.weight, to_v.bias, add_v.weight, add_v.bias)
-    torch.testing.assert_close(got, torch.cat([to_v(image_in), add_v(text_in)], dim=1))
-
-
-def test_fused_blocks_write_their_values_into_the_joint_tensor(fused: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each block's value projections through joint_linear, not through the concatenation it replaces.
-    calls: list[int] = []
-    op = fused_module.joint_linear
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        out: torch.Tensor = op(*args)
-        return out
-
-    monkeypatch.setattr(fused_module, "joint_linear", counted)
-    _transformer_call(fused.transformer, 0.5)
-    assert len(calls) == len(fused.transformer.transformer_blocks)
-
-
 @pytest.fixture
 def text_lengths(pipe: Any) -> Iterator[list[Any]]:
     """The ``text_lengths`` attention kwarg of every call of the first block's attention."""
@@ -358,7 +333,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from stage_engines import diffusers_pipeline
 from omnimodel_runtime.engines.t2i import fused, kernels
-from omnimodel_runtime.engines.t2i import fused as fused_module
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
 

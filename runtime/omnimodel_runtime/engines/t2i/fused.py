@@ -117,49 +117,6 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[in
     return [query.new_empty((1, end, width)) for end in ends]
 
 
-@torch.library.custom_op("omnimodel::joint_linear", mutates_args=())
-def joint_linear(
-    image: torch.Tensor,
-    text: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    text_weight: torch.Tensor,
-    text_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """``cat([linear(image, weight, bias), linear(text, text_weight, text_bias)], dim=1)`` without the
-    concatenation: each row's two products written straight into their parts of the joint ``[B, S_image +
-    S_text, N]`` tensor (contiguous slices, which the matrix product writes in place)."""
-    batch, seq_img = image.shape[:2]
-    out = image.new_empty((batch, seq_img + text.shape[1], weight.shape[0]))
-    for b in range(batch):
-        for x, w, bias_, part in (
-            (image[b], weight, bias, out[b, :seq_img]),
-            (text[b], text_weight, text_bias, out[b, seq_img:]),
-        ):
-            if bias_ is None:
-                torch.mm(x, w.t(), out=part)
-            else:
-                torch.addmm(bias_, x, w.t(), out=part)
-    return out
-
-
-@joint_linear.register_fake
-def _(
-    image: torch.Tensor,
-    text: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    text_weight: torch.Tensor,
-    text_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    return image.new_empty((image.shape[0], image.shape[1] + text.shape[1], weight.shape[0]))
-
-
-# Not Final: bench/t2i_speed.py switches it off for its ``catvalue`` variants (the value projections
-# concatenated, as before the op above).
-_JOINT_VALUE = True
-
-
 # Triton (CUDA builds of torch ship it) for engines/t2i/kernels.py; elsewhere the blocks norm and rotate in
 # PyTorch operations. Not Final: the benchmarks (bench/t2i_speed.py, t2i_kernels.py) switch it off for their
 # ``notriton`` variants.
@@ -177,19 +134,6 @@ def _kernel_applies(attn: Any, hidden_states: torch.Tensor, head_dim: int) -> bo
         and all(isinstance(n, RMSNorm) and n.weight is not None and getattr(n, "bias", None) is None for n in norms)
         and len({n.weight.dtype for n in norms}) == 1
     )
-
-
-def _joint_value(attn: Any, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """The joint ``[image; text]`` value projection, ``[B, S_image + S_text, inner]``. It needs no norm or
-    rotation, so its products go straight into the joint tensor (:func:`joint_linear`) instead of through a
-    concatenation, where the projections are plain ``nn.Linear`` layers whose weights it may use (no LoRA or
-    quantisation wrapper)."""
-    if _JOINT_VALUE and all(type(m) is torch.nn.Linear for m in (attn.to_v, attn.add_v_proj)):
-        out: torch.Tensor = joint_linear(
-            image, text, attn.to_v.weight, attn.to_v.bias, attn.add_v_proj.weight, attn.add_v_proj.bias
-        )
-        return out
-    return torch.cat([attn.to_v(image), attn.add_v_proj(text)], dim=1)
 
 
 def _gelu_forward(module: GELU) -> Any:
@@ -227,9 +171,8 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
             attention_mask = torch.cat([image_mask, encoder_hidden_states_mask.bool()], dim=1)[:, None, None, :]
         head_dim = attn.inner_dim // attn.heads
         seq_img = hidden_states.shape[1]
-        img = [p(hidden_states) for p in (attn.to_q, attn.to_k)]
-        txt = [p(encoder_hidden_states) for p in (attn.add_q_proj, attn.add_k_proj)]
-        value = _joint_value(attn, hidden_states, encoder_hidden_states).view(batch, -1, attn.heads, head_dim)
+        img = [p(hidden_states) for p in (attn.to_q, attn.to_k, attn.to_v)]
+        txt = [p(encoder_hidden_states) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
         # [image; text]: diffusers attends over [text; image], the same softmax over another order of its
         # keys. Image first, each row's real text tokens are a prefix of the joint sequence, so a row
         # attends over a view of the one joint tensor instead of its own concatenation.
@@ -250,6 +193,7 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
                 [n.eps for n in norms],
                 head_dim,
             )
+            value = torch.cat([img[2], txt[2]], dim=1).view(batch, seq_img + seq_txt, -1, head_dim)
         else:
             img = [t.unflatten(-1, (-1, head_dim)) for t in img]
             txt = [t.unflatten(-1, (-1, head_dim)) for t in txt]
@@ -259,7 +203,7 @@ class FusedDoubleStreamProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ign
                 img_freqs, txt_freqs = image_rotary_emb
                 img[0], img[1] = (rotate(t, img_freqs) for t in img[:2])
                 txt[0], txt[1] = (rotate(t, txt_freqs) for t in txt[:2])
-            query, key = (torch.cat([i, t], dim=1) for i, t in zip(img, txt, strict=True))
+            query, key, value = (torch.cat([i, t], dim=1) for i, t in zip(img, txt, strict=True))
 
         dtype = hidden_states.dtype
         backend = self._attention_backend
