@@ -7,7 +7,9 @@ engines/t2i/kernels.py's Triton kernel (a group of its own). ``cfgbatch`` in a v
 ``cfg_batch`` (both guidance branches in one transformer call, the engine's :class:`BatchedGuidance` around
 the pipeline call). Variants that differ only in it form one group on the same transformer state, timed in
 alternating runs (``a b a b ...``) so that drift hits both alike;
-a ``cfgbatch`` variant also gets its pixel difference from its sequential twin.
+a ``cfgbatch`` variant also gets its pixel difference from its sequential twin. ``vae2d`` in a variant's name
+adds ``vae_2d`` (the VAE's causal 3D convolutions as 2D ones on the one frame); it shares its twin's group,
+alternates with it, and gets its pixel difference from it.
 
 The prompts are encoded as the engine's encode stage encodes them (the family's ``encode``, then the
 pipeline call on the embeddings, as the denoise stage makes it); under ``cfg_batch`` both prompts in one
@@ -41,6 +43,7 @@ from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
 from omnimodel_runtime.engines.t2i.fused import ModulationSchedule, unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+from omnimodel_runtime.engines.t2i.vae import undo_vae_2d, vae_2d
 
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
 NEGATIVE = " "
@@ -148,6 +151,8 @@ def main() -> None:
 
     def image(size: int, variant: str, prompt: str = PROMPT) -> tuple[np.ndarray, float]:
         cfg_batch = "cfgbatch" in variant
+        # The engine's vae_2d, on or off for this call (its twin shares the pipeline).
+        (vae_2d if "vae2d" in variant else undo_vae_2d)(pipe.vae)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -212,6 +217,9 @@ def main() -> None:
                 twin = variant.replace("+seqenc", "").replace("+cfgbatch", "").replace("cfgbatch", "eager")
                 if "cfgbatch" in variant and twin in images:
                     row |= differences(images[variant], images[twin], "sequential")
+                conv3d = variant.replace("+vae2d", "")
+                if "vae2d" in variant and conv3d in images:
+                    row |= differences(images[variant], images[conv3d], "conv3d")
                 together = variant.replace("+seqenc", "")
                 if "seqenc" in variant and together in images:
                     row |= differences(images[variant], images[together], "encoded_together")

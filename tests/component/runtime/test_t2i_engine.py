@@ -450,3 +450,27 @@ async def test_bfloat16_crosses_the_wire_bit_for_bit() -> None:
     assert back["a"].dtype == torch.bfloat16
     assert torch.equal(back["a"], tensors["a"])
     assert torch.equal(back["b"], tensors["b"])
+
+
+async def test_vae_2d_decodes_single_frames_with_2d_convolutions_and_keeps_the_pixels(
+    tiny_t2i: Path, diffusers_pipe: Any
+) -> None:
+    # vae_2d on every stage that has the VAE (here decode): each causal 3D convolution of the decoder runs
+    # as its last time tap's 2D convolution, so no 3D convolution runs at all; the skipped taps only met
+    # the zero frames in front, so the pixels are diffusers' (other rounding: one level at most).
+    preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
+    conv3d_calls: list[int] = []
+    conv3d = torch.nn.Conv3d._conv_forward
+
+    def counted(module: Any, *args: Any) -> torch.Tensor:
+        conv3d_calls.append(1)
+        out: torch.Tensor = conv3d(module, *args)
+        return out
+
+    async with deploy(preset, tiny_t2i, vae_2d=True) as deployed:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.nn.Conv3d, "_conv_forward", counted)
+            got = await generate(deployed, "a lighthouse at night", seed=21, width=48)
+    assert conv3d_calls == []
+    expected = direct(diffusers_pipe, "a lighthouse at night", seed=21, width=48)
+    assert_rounding_only(expected, got)

@@ -24,6 +24,7 @@ from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+from omnimodel_runtime.engines.t2i.vae import undo_vae_2d, vae_2d
 
 pytestmark = pytest.mark.engine
 
@@ -377,3 +378,42 @@ def test_the_norm_rope_kernel_writes_the_joint_queries_and_keys_that_draw_diffus
     for got in result["got"]:
         diff = np.abs(np.asarray(got) - exact)
         assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # measured: 1, as the PyTorch path's
+
+
+def test_vae_2d_on_a_vae_without_causal_3d_convolutions_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"engine_args\.vae_2d"):
+        vae_2d(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3)))
+
+
+def test_vae_2d_decodes_and_encodes_one_frame_as_diffusers_does_and_undoes(
+    pipe: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every causal convolution's single-frame output from its last time tap alone: no 3D convolution runs
+    # (the encoder's time-strided one only runs on later frames), float32 on CPU gives the same values up to
+    # the sums' order, both ways through the VAE; undone, diffusers' own convolutions again.
+    vae = pipe.vae
+    gen = torch.Generator().manual_seed(5)
+    latents = torch.randn(1, vae.config.z_dim, 1, 6, 10, generator=gen)
+    image = torch.rand(1, 3, 1, 48, 80, generator=gen) * 2 - 1
+    conv3d_calls: list[int] = []
+    conv3d = torch.nn.Conv3d._conv_forward
+
+    def counted(module: Any, *args: Any) -> torch.Tensor:
+        conv3d_calls.append(1)
+        out: torch.Tensor = conv3d(module, *args)
+        return out
+
+    monkeypatch.setattr(torch.nn.Conv3d, "_conv_forward", counted)
+    with torch.inference_mode():
+        decoded, encoded = vae.decode(latents).sample, vae.encode(image).latent_dist.mode()
+        diffusers_calls = len(conv3d_calls)
+        vae_2d(vae)
+        try:
+            decoded_2d, encoded_2d = vae.decode(latents).sample, vae.encode(image).latent_dist.mode()
+            assert len(conv3d_calls) == diffusers_calls > 0
+        finally:
+            undo_vae_2d(vae)
+        again = vae.decode(latents).sample
+    torch.testing.assert_close(decoded_2d, decoded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(encoded_2d, encoded, rtol=0, atol=1e-5)
+    assert torch.equal(again, decoded)

@@ -21,8 +21,8 @@ dtype in ``meta["dtypes"]``, so nothing is rounded on the way.
 All model work runs on the engine's worker thread (:class:`~omnimodel_runtime.engines.worker.WorkerEngine`);
 the event loop only validates, submits and relays the frames the worker posts back.
 
-Speed options (``engine_args``, denoise and whole, ``cfg_batch`` also encode; off by default, so the output is
-diffusers' own):
+Speed options (``engine_args``, denoise and whole, ``cfg_batch`` also encode, ``vae_2d`` every stage with a VAE;
+off by default, so the output is diffusers' own):
 
 - ``compile: regional`` compiles the transformer's repeated block once with ``torch.compile`` and reuses
   it for every block (diffusers' ``compile_repeated_blocks``): CUDA kernels fused, far fewer launches.
@@ -60,6 +60,9 @@ diffusers' own):
   tokens). Off by default: with prompts of different lengths the batched calls attend through a padding
   mask, and the pixels then differ from diffusers' by rounding (bench/t2i_speed.py measures how much); off,
   they are diffusers' own, which tests and the benchmark check.
+- ``vae_2d: true`` (Qwen-Image's VAE, built on diffusers' causal 3D convolutions) runs each of the
+  VAE's convolutions on a single frame (an image) as the 2D convolution of its last time tap
+  (:mod:`~omnimodel_runtime.engines.t2i.vae`): the taps it skips meet only zero padding. Other rounding.
 
 Request batching (denoise and whole): requests with the same size, steps and guidance run as one
 ``pipe(...)`` call, each image with its own CPU ``torch.Generator`` seeded ``seed + i``, so its initial
@@ -298,6 +301,10 @@ class DiffusersImageEngine(WorkerEngine[_Job]):
                 f"not {family.pipeline_class}"
             )
         self._speed_up(pipe)
+        if flag(self.context.stage.engine_args, "vae_2d", default=False) and getattr(pipe, "vae", None) is not None:
+            from omnimodel_runtime.engines.t2i.vae import vae_2d  # noqa: PLC0415
+
+            log.info("VAE of stage %s: %d causal 3D convolutions as 2D on one frame", self.stage.name, vae_2d(pipe.vae))
         if family.inpaints and self.role is not Role.DECODE:
             self._inpaint = family.inpaint_pipeline(pipe, model_dir)
         self._pipe, self._family = pipe, family
