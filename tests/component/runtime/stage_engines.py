@@ -8,8 +8,8 @@ A plain module (not conftest) so test files can import it by its unique name.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,3 +102,22 @@ def diffusers_images(pipe: Any, prompt: str, *, seed: int, steps: int, n: int = 
         prompt=prompt, num_images_per_prompt=n, num_inference_steps=steps, generator=generators, **kwargs
     ).images
     return np.stack([np.asarray(image) for image in images])
+
+
+@contextmanager
+def conv3d_calls() -> Iterator[list[int]]:
+    """One entry for every 3D convolution PyTorch runs (any ``nn.Conv3d``) while the context is open."""
+    import torch
+
+    calls: list[int] = []
+    conv3d = torch.nn.Conv3d._conv_forward
+
+    def counted(module: Any, *args: Any) -> Any:
+        calls.append(1)
+        return conv3d(module, *args)
+
+    torch.nn.Conv3d._conv_forward = counted  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        torch.nn.Conv3d._conv_forward = conv3d  # type: ignore[method-assign]

@@ -21,7 +21,14 @@ import pytest_asyncio
 import torch
 from pydantic import ValidationError
 from runtime_procs import torch_threads
-from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
+from stage_engines import (
+    Deployed,
+    conv3d_calls,
+    diffusers_images,
+    diffusers_pipeline,
+    images_of,
+    stages_in_process,
+)
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
@@ -459,18 +466,9 @@ async def test_vae_2d_decodes_single_frames_with_2d_convolutions_and_keeps_the_p
     # as its last time tap's 2D convolution, so no 3D convolution runs at all; the skipped taps only met
     # the zero frames in front, so the pixels are diffusers' (other rounding: one level at most).
     preset = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x"))
-    conv3d_calls: list[int] = []
-    conv3d = torch.nn.Conv3d._conv_forward
-
-    def counted(module: Any, *args: Any) -> torch.Tensor:
-        conv3d_calls.append(1)
-        out: torch.Tensor = conv3d(module, *args)
-        return out
-
     async with deploy(preset, tiny_t2i, vae_2d=True) as deployed:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch.nn.Conv3d, "_conv_forward", counted)
+        with conv3d_calls() as calls:
             got = await generate(deployed, "a lighthouse at night", seed=21, width=48)
-    assert conv3d_calls == []
+    assert calls == []
     expected = direct(diffusers_pipe, "a lighthouse at night", seed=21, width=48)
     assert_rounding_only(expected, got)

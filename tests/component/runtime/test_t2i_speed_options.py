@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from stage_engines import diffusers_pipeline
+from stage_engines import conv3d_calls, diffusers_pipeline
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageFamily
@@ -385,9 +385,7 @@ def test_vae_2d_on_a_vae_without_causal_3d_convolutions_is_refused_by_name() -> 
         vae_2d(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3)))
 
 
-def test_vae_2d_decodes_and_encodes_one_frame_as_diffusers_does_and_undoes(
-    pipe: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_vae_2d_decodes_and_encodes_one_frame_as_diffusers_does_and_undoes(pipe: Any) -> None:
     # Every causal convolution's single-frame output from its last time tap alone: no 3D convolution runs
     # (the encoder's time-strided one only runs on later frames), float32 on CPU gives the same values up to
     # the sums' order, both ways through the VAE; undone, diffusers' own convolutions again.
@@ -395,22 +393,13 @@ def test_vae_2d_decodes_and_encodes_one_frame_as_diffusers_does_and_undoes(
     gen = torch.Generator().manual_seed(5)
     latents = torch.randn(1, vae.config.z_dim, 1, 6, 10, generator=gen)
     image = torch.rand(1, 3, 1, 48, 80, generator=gen) * 2 - 1
-    conv3d_calls: list[int] = []
-    conv3d = torch.nn.Conv3d._conv_forward
-
-    def counted(module: Any, *args: Any) -> torch.Tensor:
-        conv3d_calls.append(1)
-        out: torch.Tensor = conv3d(module, *args)
-        return out
-
-    monkeypatch.setattr(torch.nn.Conv3d, "_conv_forward", counted)
-    with torch.inference_mode():
+    with torch.inference_mode(), conv3d_calls() as calls:
         decoded, encoded = vae.decode(latents).sample, vae.encode(image).latent_dist.mode()
-        diffusers_calls = len(conv3d_calls)
+        diffusers_calls = len(calls)
         vae_2d(vae)
         try:
             decoded_2d, encoded_2d = vae.decode(latents).sample, vae.encode(image).latent_dist.mode()
-            assert len(conv3d_calls) == diffusers_calls > 0
+            assert len(calls) == diffusers_calls > 0
         finally:
             undo_vae_2d(vae)
         again = vae.decode(latents).sample
