@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
-#   bash bench/h200.sh omni text t2i      (omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
+#   bash bench/h200.sh omni text t2i      (vae: Qwen-Image's VAE with and without vae_2d; omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,10 @@ for section in "$@"; do
       python3 bench/t2i_speed.py --model /dev/shm/qwen-image --sizes "${T2I_SIZES:-512,1024}" --steps 20 --runs "${T2I_RUNS:-3}" \
         --variants "${T2I_VARIANTS:-eager,cfgbatch,regional,regional+cfgbatch}" \
         --out "$OUT/${T2I_OUT:-t2i-qwen-image-speed-h200.json}" || status=1
+      ;;
+    vae)
+      # Qwen-Image's VAE alone (built in seconds, no /dev/shm model): diffusers' 3D convolutions against vae_2d.
+      python3 bench/vae_speed.py --sizes "${T2I_SIZES:-512,1024}" --runs 7 --out "$OUT/vae-qwen-image-h200.json" || status=1
       ;;
     t2i-parts)
       [ -d /dev/shm/qwen-image ] || { time om make-tiny --preset text-to-image --size qwen-image --device cuda --out /dev/shm/qwen-image || exit 1; }
