@@ -52,7 +52,7 @@ for section in "$@"; do
         --out "$OUT/${T2I_OUT:-t2i-qwen-image-speed-h200.json}" || status=1
       ;;
     vae)
-      # Qwen-Image's VAE alone (built in seconds, no /dev/shm model): diffusers' 3D convolutions against vae_2d.
+      # Qwen-Image's VAE alone (127 M parameters, no /dev/shm model): diffusers' 3D convolutions against vae_2d.
       python3 bench/vae_speed.py --sizes "${T2I_SIZES:-512,1024}" --runs 7 --out "$OUT/vae-qwen-image-h200.json" || status=1
       ;;
     t2i-parts)

@@ -5,9 +5,9 @@ Qwen-Image's VAE (Wan's design) is a video VAE: its encoder's and decoder's conv
 ones (mostly ``3 x 3 x 3``), which pad the time axis with ``k - 1`` zero frames in front when they have no
 cached frames, as on an image (one frame). On such a frame only the kernel's last time tap meets data, so
 the output is the 2D convolution of the frame with that tap: the same products without the ``k - 1`` taps
-of zeros (two thirds of a ``3 x 3 x 3`` convolution's arithmetic). The tiny model's decode on two CPU cores:
-0.06 s against 0.24. The sums round in another order (float32: within 1e-5); off by default, so the
-pixels stay diffusers' own.
+of zeros (two thirds of a ``3 x 3 x 3`` convolution's arithmetic). The tiny Qwen-Image's whole call on
+two CPU cores at 256²: 0.30 s against 1.11 (bench/results/t2i-tiny-vae2d-cpu.json). The sums round in
+another order (float32: within 1e-5); off by default, so the pixels stay diffusers' own.
 """
 
 from __future__ import annotations
