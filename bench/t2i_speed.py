@@ -9,7 +9,9 @@ the pipeline call). Variants that differ only in it form one group on the same t
 alternating runs (``a b a b ...``) so that drift hits both alike;
 a ``cfgbatch`` variant also gets its pixel difference from its sequential twin. ``vae2d`` in a variant's name
 adds ``vae_2d`` (the VAE's causal 3D convolutions as 2D ones on the one frame); it shares its twin's group,
-alternates with it, and gets its pixel difference from it.
+alternates with it, and gets its pixel difference from it. ``hostround``: the decoded image rounded to uint8 on
+the host, as the engine did before it rounded on the image's device (the same group; its pixel difference
+from its twin should be 0).
 
 The prompts are encoded as the engine's encode stage encodes them (the family's ``encode``, then the
 pipeline call on the embeddings, as the denoise stage makes it); under ``cfg_batch`` both prompts in one
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
+from omnimodel_runtime.engines.t2i import families as families_module
 from omnimodel_runtime.engines.t2i import fused as fused_blocks_module
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
@@ -48,6 +51,13 @@ from omnimodel_runtime.engines.t2i.vae import undo_vae_2d, vae_2d
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
 NEGATIVE = " "
 OTHER_PROMPT = "An old lighthouse on a rocky coast under a stormy sky, oil painting, wide angle"
+DEVICE_UINT8 = families_module._to_uint8
+
+
+def host_uint8(pipe: Any, image: torch.Tensor) -> np.ndarray:
+    """The engine's rounding before it moved to the image's device: float32 on the host."""
+    floats = np.nan_to_num(pipe.image_processor.postprocess(image, output_type="np"), nan=0.0)
+    return np.asarray((floats * 255).round().astype(np.uint8))
 
 
 def mask_effect(pipe: Any, size: int) -> dict[str, Any]:
@@ -153,6 +163,7 @@ def main() -> None:
         cfg_batch = "cfgbatch" in variant
         # The engine's vae_2d, on or off for this call (its twin shares the pipeline).
         (vae_2d if "vae2d" in variant else undo_vae_2d)(pipe.vae)
+        families_module._to_uint8 = host_uint8 if "hostround" in variant else DEVICE_UINT8
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -164,14 +175,19 @@ def main() -> None:
         # As the engine runs a fused transformer: each step's modulation rows from one table a call.
         schedule = ModulationSchedule(pipe)
         with guidance, schedule, inputs:
-            out = pipe(
+            latents = pipe(
                 **kwargs,
                 true_cfg_scale=args.cfg,
                 width=size,
                 height=size,
                 num_inference_steps=args.steps,
                 generator=torch.Generator("cpu").manual_seed(0),
-            ).images[0]
+                output_type="latent",
+            ).images
+        # The engine's decode stage (under inference mode, as its serve loop runs): the VAE, then the pixels
+        # rounded as diffusers' PIL output rounds them.
+        with torch.inference_mode():
+            out = family.decode(pipe, latents, size, size)[0]
         if cuda:
             torch.cuda.synchronize()
         if isinstance(guidance, BatchedGuidance):
@@ -220,6 +236,9 @@ def main() -> None:
                 conv3d = variant.replace("+vae2d", "")
                 if "vae2d" in variant and conv3d in images:
                     row |= differences(images[variant], images[conv3d], "conv3d")
+                on_device = variant.replace("+hostround", "")
+                if "hostround" in variant and on_device in images:
+                    row |= differences(images[variant], images[on_device], "device_rounding")
                 together = variant.replace("+seqenc", "")
                 if "seqenc" in variant and together in images:
                     row |= differences(images[variant], images[together], "encoded_together")
