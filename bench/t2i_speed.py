@@ -21,8 +21,10 @@ it), which shares its group and alternates with its twin.
     python bench/t2i_speed.py --model /dev/shm/qwen-image --sizes 512,1024 --steps 20 --out result.json
 
 Loads the pipeline once (a full ``omnimodel bench`` per option would load it twice more per option); the
-numbers are one request's whole pipeline call (encode, denoise, decode), as images mode's ``direct``
-baseline measures it. Writes the JSON after every variant, so a run cut short keeps what it measured.
+numbers are one request's whole path through the engine's stages: encode, the denoise call, and the decode
+stage's ``family.decode`` (the VAE, then pixels rounded on the image's device; runs before this file's commit
+8bd3ceb timed the pipeline's own PIL tail, rounded on the host). Writes the JSON after every size of a
+group, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
