@@ -3,8 +3,9 @@ causal 3D convolutions (``conv3d``) and under the engine's ``vae_2d`` (engines/t
 runs so that drift hits both alike, p50 of ``--runs`` after a warm-up each, and the difference between the
 two: the decoded images' pixels (as the pipeline quantises them) and the encoded latents.
 
-Needs no pipeline: the VAE has 127 M parameters (a few seconds to build on 2 CPU cores), not the 53 GB
-pipeline, so a GPU session with little time left can still measure it.
+Needs no pipeline: the VAE has 127 M parameters (1 s to build in bf16 on 2 CPU cores), not the whole
+pipeline (a 20 B-parameter transformer and a 7 B text encoder), so a GPU session with little time left can
+still measure it.
 
     python bench/vae_speed.py --sizes 512,1024 --runs 7 --out bench/results/vae-qwen-image-h200.json
 """
