@@ -105,15 +105,16 @@ def diffusers_images(pipe: Any, prompt: str, *, seed: int, steps: int, n: int = 
 
 
 @contextmanager
-def conv3d_calls() -> Iterator[list[int]]:
-    """One entry for every 3D convolution PyTorch runs (any ``nn.Conv3d``) while the context is open."""
+def conv3d_calls() -> Iterator[list[str]]:
+    """One entry for every 3D convolution PyTorch runs (any ``nn.Conv3d``) while the context is open: its
+    class, kernel and input shape, so a failing assertion names the convolution."""
     import torch
 
-    calls: list[int] = []
+    calls: list[str] = []
     conv3d = torch.nn.Conv3d._conv_forward
 
     def counted(module: Any, *args: Any) -> Any:
-        calls.append(1)
+        calls.append(f"{type(module).__name__} kernel {tuple(module.kernel_size)} on {tuple(args[0].shape)}")
         return conv3d(module, *args)
 
     torch.nn.Conv3d._conv_forward = counted  # type: ignore[method-assign]

@@ -21,7 +21,14 @@ import pytest_asyncio
 import torch
 from PIL import Image
 from runtime_procs import random_png, torch_threads
-from stage_engines import Deployed, diffusers_images, diffusers_pipeline, images_of, stages_in_process
+from stage_engines import (
+    Deployed,
+    conv3d_calls,
+    diffusers_images,
+    diffusers_pipeline,
+    images_of,
+    stages_in_process,
+)
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import QwenImageEditFamily, load_qwen_vl_processor
@@ -147,6 +154,27 @@ async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path,
     expected = direct(
         diffusers_pipe, image, prompt, seed=13, width=48, height=32, negative_prompt="blurry", true_cfg_scale=3.0
     )
+    diff = np.abs(expected.astype(int) - got.astype(int))
+    assert diff.max() <= 1
+    assert (diff == 0).mean() > 0.999
+
+
+async def test_vae_2d_encodes_the_input_and_decodes_the_result_without_3d_convolutions(
+    tiny_edit: Path, diffusers_pipe: Any
+) -> None:
+    # Both VAE stages of an edit under vae_2d: the encode stage's VAE encodes the input image and the decode
+    # stage's decodes the result, each convolution as its last time tap's 2D one. Neither runs a 3D
+    # convolution (the text encoder's vision tower still embeds the image's patches with its own Conv3d),
+    # and the pixels are diffusers' (the skipped taps met only zero frames: rounding).
+    image, prompt = random_png(40, 56, seed=1), "make the cat blue"
+    preset = get_preset("qwen-image-edit").pipeline(ModelSource(source="tiny://x"))
+    async with stages_in_process(preset, tiny_edit, engine_class=DiffusersImageEngine, vae_2d=True) as deployed:
+        assert {name for name, engine in deployed.engines.items() if "vae" in engine.components} == {"encode", "decode"}
+        with conv3d_calls() as calls:
+            got = await edit(deployed, image, prompt, seed=14, width=48, height=32)
+    assert [call for call in calls if call.startswith("QwenImageCausalConv3d")] == []
+    assert calls, "the vision tower's patch embedding ran no Conv3d: the count is not counting"
+    expected = direct(diffusers_pipe, image, prompt, seed=14, width=48, height=32)
     diff = np.abs(expected.astype(int) - got.astype(int))
     assert diff.max() <= 1
     assert (diff == 0).mean() > 0.999
