@@ -44,6 +44,7 @@ BINARIES: tuple[str, ...] = (
     "kube-scheduler",
     "kwok",
     "helm",
+    "registry",
 )
 
 #: kwok Stage documents build.sh copies out of the kwok module, in load order.
@@ -66,6 +67,7 @@ COLD_BUILD_SECONDS: dict[str, int] = {
     "kube-scheduler": 139,
     "kube-controller-manager": 236,
     "kube-apiserver": 4,
+    "registry": 120,
 }
 #: Longest silence of a build before a progress line says it is still going.
 BUILD_HEARTBEAT_SECONDS = 15.0

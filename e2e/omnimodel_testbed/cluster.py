@@ -31,6 +31,8 @@ from .binaries import Toolchain, cache_root, ensure_built
 from .kubeapi import ApiError, KubeAPI, http_get
 from .nodes import DEFAULT_FLEET, KWOK_ANNOTATION, AcceleratorSpecLike, FakeNode, build_nodes
 from .pki import FRONT_PROXY_CLIENT, PKI, generate_pki
+from .registry import REGISTRY_ENV, registry_config, registry_storage
+from .registry import wait_ready as wait_registry
 from .runnerpods import install_admission_policy, kwok_stages
 
 __all__ = ["POD_CIDR", "Cluster", "ClusterError", "ClusterState", "default_pod_cidr", "default_state_dir"]
@@ -64,9 +66,11 @@ _OWNED = (
     "controller-manager",
     "scheduler",
     "apiserver",
+    "registry.yaml",
+    "images",
 )
 
-_COMPONENT_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+_COMPONENT_ORDER = ("etcd", "registry", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 
 class ClusterError(RuntimeError):
@@ -341,7 +345,7 @@ class Cluster:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True)
         pki = generate_pki(self.state_dir / "pki", service_ip=SERVICE_IP)
-        etcd_client, etcd_peer, api_port, kcm_port, sched_port, kwok_port = procs.free_ports(6)
+        etcd_client, etcd_peer, api_port, kcm_port, sched_port, kwok_port, registry_port = procs.free_ports(7)
         ports = {
             "etcd": etcd_client,
             "etcd-peer": etcd_peer,
@@ -349,6 +353,7 @@ class Cluster:
             "controller-manager": kcm_port,
             "scheduler": sched_port,
             "kwok": kwok_port,
+            "registry": registry_port,
         }
         server = f"https://127.0.0.1:{api_port}"
         self._write_kubeconfig(server, pki)
@@ -387,6 +392,14 @@ class Cluster:
                 lambda: http_get("127.0.0.1", etcd_client, "/health", tls=False) == 200,
                 timeout=30,
                 watch=started,
+            )
+            # The OCI registry pods pull their images from (registry.py): the storage `make images` pushed to.
+            storage = registry_storage()
+            storage.mkdir(parents=True, exist_ok=True)
+            launch(
+                "registry",
+                ["serve", str(registry_config(storage, registry_port, self.state_dir / "registry.yaml"))],
+                REGISTRY_ENV,
             )
             launch("kube-apiserver", self._apiserver_args(pki, etcd_client, api_port))
             api = self.api(self._partial_state(server, ports, started, toolchain, started_at))
@@ -466,6 +479,7 @@ class Cluster:
                 timeout=60,
                 watch=started,
             )
+            wait_registry(registry_port, started)
             names = self._register_nodes(api, toolchain)
             remaining = max(30.0, self.timeout - (time.monotonic() - t0))
             procs.wait_until(
