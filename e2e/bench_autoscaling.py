@@ -596,7 +596,8 @@ def serving_bed(workdir: Path) -> Iterator[Bed]:
         ns = f"bench-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", ns)
         stack.callback(cluster.kubectl, "delete", "namespace", ns, "--wait=false", check=False)
-        pods = cpu_pod_runner(api, ns, workdir / "pods")
+        # The operator runs here from the venv, naming its default images: the pods run from the venv too.
+        pods = cpu_pod_runner(api, ns, workdir / "pods", state=None)
         pods.start()
         stack.callback(pods.stop)
         say(f"test bed up: namespace {ns}, operator log {workdir}")

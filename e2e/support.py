@@ -15,8 +15,10 @@ import httpx
 import yaml
 
 from omnimodel_testbed import procs
+from omnimodel_testbed.cluster import ClusterState
 from omnimodel_testbed.kubeapi import KubeAPI
 from omnimodel_testbed.kubelet import PodRunner
+from omnimodel_testbed.operator_pod import image_store, service_env
 from omnimodel_testbed.pytest_plugin import ClusterHandle
 from omnimodel_testbed.volumes import claim_volume
 
@@ -34,14 +36,17 @@ def install_crd(cluster: ClusterHandle) -> None:
     assert wait.returncode == 0, f"kubectl wait for the CRD exited {wait.returncode}: {wait.stderr.strip()}"
 
 
-def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path) -> PodRunner:
-    """A pod runner that runs every pod of ``namespace`` for real, from this checkout's venv, on this
-    machine's CPU (not started yet)."""
+def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path, *, state: ClusterState | None) -> PodRunner:
+    """A pod runner that runs every pod of ``namespace`` for real on this machine's CPU (not started yet):
+    from its image, pulled from the test bed's registry of ``state``'s cluster, or with ``state`` None
+    from this checkout's venv (a benchmark of the operator against a host-run operator)."""
     return PodRunner(
         api,
         namespace,
         workdir,
         Path(sys.executable).parent,
+        images=image_store(state) if state is not None else None,
+        service_env=service_env(state) if state is not None else None,
         # One model cache for all pods, as a shared PVC would be: the tiny model is built once.
         shared_dirs={"model-cache": Path.home() / ".cache" / "omnimodel" / "models"},
         extra_env={

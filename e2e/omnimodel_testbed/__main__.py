@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     # Internal: the half of the demo that runs inside the network namespace.
     demo.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     demo.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    push = sub.add_parser(
+        "push-images",
+        help="push images built by `make images` (buildah's storage) into the test bed's registry storage",
+    )
+    push.add_argument("images", nargs="+", help="image names as built, e.g. ghcr.io/omnimodel/omnimodel-operator:0.1.0")
     enter = sub.add_parser(
         "enter", help="run a command (default: a shell) inside a running `demo --keep`'s network namespace"
     )
@@ -111,6 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
                 return demo.enter(args.state_dir, cmd)
             return demo.run(args, args.state_dir)
+        if args.command == "push-images":
+            from .registry import push_images
+
+            with tempfile.TemporaryDirectory(prefix="push-") as work:
+                for ref in push_images(args.images, Path(work)):
+                    print(ref)
+            return 0
         if args.command == "helm-path":
             print(ensure_built().path("helm"))
             return 0

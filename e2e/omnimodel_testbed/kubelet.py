@@ -59,12 +59,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from . import podstatus as ps
 from . import volumes as pv
+from .container import ContainerMount, container_argv
+from .images import Image, ImagePullError, ImageStore, image_user
 from .kubeapi import ApiError, KubeAPI
 from .netns import POD_INTERFACE
 from .runnerpods import RUNNER_LABEL, serve_namespace
@@ -185,6 +188,13 @@ class _PodRun:
     restart_at: float | None = None
     conditions: list[JSON] = field(default_factory=list)
     dirty: bool = True
+    #: Image pulls under way or done, per container; failed pulls count towards the pull back-off.
+    pulls: dict[str, Future[Image]] = field(default_factory=dict)
+    pull_failures: dict[str, int] = field(default_factory=dict)
+    pull_retry_at: float | None = None
+    #: When a pull that had to fetch began (monotonic), per container: the Pulled event says how long it took.
+    pulling: dict[str, float] = field(default_factory=dict)
+    image_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -206,6 +216,15 @@ class _PodRun:
     @property
     def finished(self) -> bool:
         return self.phase in ps.TERMINAL_PHASES
+
+
+def _apply_fs_group(path: Path, fs_group: int | None) -> None:
+    """``fsGroup``: the volume's directory belongs to that group, group-writable, and new files inherit
+    the group (setgid), as the kubelet prepares a volume that supports ownership management."""
+    if fs_group is None or os.geteuid() != 0:
+        return
+    os.chown(path, -1, int(fs_group))
+    path.chmod(path.stat().st_mode | 0o2070)
 
 
 def _run_order(spec: Mapping[str, Any]) -> list[JSON]:
@@ -235,6 +254,8 @@ class PodRunner:
         on_start: Callable[[PodProcess], None] | None = None,
         claims_dir: Path | None = None,
         bind_claims: bool = True,
+        images: ImageStore | None = None,
+        service_env: Mapping[str, str] | None = None,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -250,6 +271,12 @@ class PodRunner:
         self.on_start = on_start
         self.claims_dir = claims_dir or workdir / "_claims"
         self.bind_claims = bind_claims
+        # Where containers' images come from: None runs every command from ``bin_dir`` (no image), as the
+        # suites that test the operator alone do; with a store, every pod but vLLM-Omni's runs its image.
+        self.images = images
+        # What the kubelet puts in every container's environment for the ``kubernetes`` Service.
+        self.service_env = dict(service_env or {})
+        self._pull_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"pull-{namespace}")
         self.pods: dict[str, _PodRun] = {}
         #: Names of the pods whose first container started, in order.
         self.started: list[str] = []
@@ -402,7 +429,19 @@ class PodRunner:
     def _start_next(self, run: _PodRun) -> None:
         container = run.order[run.step]
         name = container["name"]
-        proc = self._start(run.pod, container, run.volumes, run.root, init=not run.at_main)
+        image = None
+        if self.images is not None and not is_vllm_omni(container):
+            image = self._pulled(run, container)
+            if image is None:
+                return  # pulling, or backing off after a failed pull
+        elif is_vllm_omni(container) and name not in run.image_ids:
+            run.image_ids[name] = ""
+            self._event(
+                run, container, "Normal", "Pulled",
+                f'Container image "{container.get("image", "")}" not pulled: vLLM-Omni\'s upstream images cannot be '
+                "pulled here; the container runs from the test bed's cached vLLM-Omni CPU environment",
+            )  # fmt: skip
+        proc = self._start(run.pod, container, run.volumes, run.root, init=not run.at_main, image=image)
         run.process, run.restart_at, run.dirty = proc, None, True
         previous = run.statuses[name]
         run.statuses[name] = ps.container_status(
@@ -419,6 +458,100 @@ class PodRunner:
                 self.started.append(run.name)
         if self.on_start is not None:
             self.on_start(proc)
+
+    # ------------------------------------------------------------------------------------------ images
+    def _pulled(self, run: _PodRun, container: Mapping[str, Any]) -> Image | None:
+        """The container's image once pulled; until then None, with the kubelet's waiting states and events
+        (``ContainerCreating`` while pulling; ``ErrImagePull``, then ``ImagePullBackOff`` between retries
+        that back off from 10 s, doubling, to 5 min)."""
+        assert self.images is not None
+        name, reference = container["name"], str(container.get("image") or "")
+        policy = container.get("imagePullPolicy") or ("Always" if reference.endswith(":latest") else "IfNotPresent")
+        restarts = run.restarts.get(name, 0)
+        future = run.pulls.get(name)
+        if future is None:
+            if run.pull_retry_at is not None and time.monotonic() < run.pull_retry_at:
+                state = run.statuses[name].get("state", {}).get("waiting") or {}
+                if state.get("reason") == "ErrImagePull":
+                    message = f'Back-off pulling image "{reference}": ErrImagePull: {state.get("message", "")}'
+                    run.statuses[name] = ps.container_status(
+                        container, ps.waiting("ImagePullBackOff", message), restart_count=restarts
+                    )
+                    run.dirty = True
+                    self._event(run, container, "Normal", "BackOff", f'Back-off pulling image "{reference}"')
+                return None
+            run.pull_retry_at = None
+            if policy != "Always" and self.images.present(reference):
+                self._event(
+                    run, container, "Normal", "Pulled", f'Container image "{reference}" already present on machine'
+                )
+            else:
+                self._event(run, container, "Normal", "Pulling", f'Pulling image "{reference}"')
+                run.pulling[name] = time.monotonic()
+            run.pulls[name] = self._pull_pool.submit(self.images.pull, reference, policy)
+            return None
+        if not future.done():
+            return None
+        del run.pulls[name]
+        error = future.exception()
+        if error is None:
+            image = future.result()
+            started = run.pulling.pop(name, None)
+            if started is not None:
+                seconds = time.monotonic() - started
+                self._event(
+                    run, container, "Normal", "Pulled", f'Successfully pulled image "{reference}" in {seconds:.3f}s'
+                )
+            run.image_ids[name] = image.image_id
+            run.pull_failures.pop(name, None)
+            return image
+        run.pulling.pop(name, None)
+        reason = error.reason if isinstance(error, ImagePullError) else "ErrImagePull"
+        failures = run.pull_failures.get(name, 0) + 1
+        run.pull_failures[name] = failures
+        run.pull_retry_at = time.monotonic() + min(RESTART_BACKOFF * 2 ** (failures - 1), MAX_RESTART_BACKOFF)
+        if reason == "ErrImagePull":
+            message = f'failed to pull and unpack image "{reference}": {error}'
+            self._event(run, container, "Warning", "Failed", f'Failed to pull image "{reference}": {error}')
+        else:
+            message = str(error)
+            self._event(run, container, "Warning", "ErrImageNeverPull", message)
+        self._event(run, container, "Warning", "Failed", f"Error: {reason}")
+        log.warning("pod %s: %s", run.name, message)
+        run.statuses[name] = ps.container_status(container, ps.waiting(reason, message), restart_count=restarts)
+        run.dirty = True
+        return None
+
+    def _event(self, run: _PodRun, container: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """An Event about the pod's container, as the kubelet records it (``kubectl describe pod`` shows it)."""
+        meta = run.pod["metadata"]
+        now = ps.now()
+        main = any(c["name"] == container["name"] for c in run.spec["containers"])
+        field_path = f"spec.{'containers' if main else 'initContainers'}{{{container['name']}}}"
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": self.namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": self.namespace,
+                "name": meta["name"],
+                "uid": meta["uid"],
+                "fieldPath": field_path,
+            },
+            "reason": reason,
+            "message": message,
+            "type": kind,
+            "source": {"component": "kubelet", "host": run.spec.get("nodeName", "")},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.api.create(f"/api/v1/namespaces/{self.namespace}/events", event)
+        except ApiError as exc:
+            log.warning("pod %s: could not record event %s: %s", meta["name"], reason, exc)
 
     def _exited(self, run: _PodRun, proc: PodProcess, code: int) -> None:
         container = run.order[run.step]
@@ -468,6 +601,9 @@ class PodRunner:
 
     def _write_status(self, run: _PodRun) -> None:
         spec = run.spec
+        for name, image_id in run.image_ids.items():
+            if image_id and name in run.statuses:
+                run.statuses[name]["imageID"] = image_id
         status = ps.pod_status(
             spec,
             run.phase,
@@ -499,6 +635,7 @@ class PodRunner:
     def _volumes(self, pod: Mapping[str, Any], root: Path) -> dict[str, Path]:
         """volume name → host directory holding its content."""
         out: dict[str, Path] = {}
+        fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
         for volume in pod["spec"].get("volumes") or []:
             name = volume["name"]
             claim = volume.get("persistentVolumeClaim")
@@ -508,16 +645,28 @@ class PodRunner:
                 path = pv.claim_host_path(self.api, self.namespace, claim["claimName"])
                 out[name] = path or self.claim_dir(claim["claimName"])
                 out[name].mkdir(parents=True, exist_ok=True)
+                _apply_fs_group(out[name], fs_group)
                 continue
             if name in self.shared_dirs:
                 out[name] = self.shared_dirs[name]
+                out[name].mkdir(parents=True, exist_ok=True)
+                _apply_fs_group(out[name], fs_group)
                 continue
             target = root / "volumes" / name
             target.mkdir(parents=True, exist_ok=True)
+            if "emptyDir" in volume:
+                target.chmod(0o777)  # an emptyDir is world-writable, whatever user the pod runs as
+                _apply_fs_group(target, fs_group)
             sources = [volume] if "configMap" in volume else (volume.get("projected") or {}).get("sources") or []
             for source in sources:
                 if "configMap" in source:
                     self._write_configmap(source["configMap"], target)
+                elif "serviceAccountToken" in source:
+                    self._write_token(pod, source["serviceAccountToken"], target)
+                elif "downwardAPI" in source:
+                    for item in source["downwardAPI"].get("items") or []:
+                        value = self._field_value(pod, item["fieldRef"]["fieldPath"])
+                        (target / item["path"]).write_text(value)
             out[name] = target
         return out
 
@@ -528,6 +677,23 @@ class PodRunner:
         items = ref.get("items") or [{"key": k, "path": k} for k in data]
         for item in items:
             (target / item["path"]).write_text(data[item["key"]])
+
+    def _write_token(self, pod: Mapping[str, Any], source: Mapping[str, Any], target: Path) -> None:
+        """A projected ServiceAccount token, bound to the pod, from the TokenRequest API (what the kubelet
+        asks for the ``kube-api-access-*`` volume the ServiceAccount admission adds to every pod)."""
+        meta = pod["metadata"]
+        account = pod["spec"].get("serviceAccountName") or "default"
+        request: JSON = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": int(source.get("expirationSeconds", 3607)),
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]},
+                **({"audiences": [source["audience"]]} if source.get("audience") else {}),
+            },
+        }
+        answer = self.api.create(f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token", request)
+        (target / source.get("path", "token")).write_text(answer["status"]["token"])
 
     def _field_value(self, pod: Mapping[str, Any], path: str) -> str:
         """The downward API's ``fieldRef`` values a stage pod uses."""
@@ -555,9 +721,12 @@ class PodRunner:
         root: Path,
         *,
         init: bool,
+        image: Image | None = None,
     ) -> PodProcess:
-        """Start one container of the pod as a process (its own session, mount namespace and /dev/shm)."""
-        meta = pod["metadata"]
+        """Start one container of the pod as a process (its own session, mount namespace and /dev/shm):
+        inside its image when it has one, else from ``bin_dir`` (see the module docstring)."""
+        if image is not None:
+            return self._start_in_image(pod, container, volumes, root, init=init, image=image)
         ip = pod["status"]["podIP"]
         read_only_volumes = {
             v["name"]
@@ -594,19 +763,9 @@ class PodRunner:
             # The pod runs in its own directory: a relative entry (`PYTHONPATH=operator:runtime:e2e`, this
             # checkout's code) would name nothing there, and the venv's installed copy would run instead.
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
-        container_env: dict[str, str] = {}
-        for item in container.get("env") or []:
-            source = item.get("valueFrom") or {}
-            if "value" in item:
-                value = expand_env_refs(item["value"], container_env)
-            elif "secretKeyRef" in source:
-                value = self._secret_value(source["secretKeyRef"])
-            elif "fieldRef" in source:
-                value = self._field_value(pod, source["fieldRef"]["fieldPath"])
-            else:
-                continue
-            container_env[item["name"]] = value
-            env[item["name"]] = host_path(value)
+        container_env = self._container_env(pod, container)
+        for key, value in container_env.items():
+            env[key] = host_path(value)
 
         tmp = host_path("/tmp")
         if tmp != "/tmp" and "TMPDIR" not in env:
@@ -629,22 +788,137 @@ class PodRunner:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
             env.update(VLLM_OMNI_CPU_ENV)
 
+        return self._spawn(pod, container, root, private_shm_argv(argv, shm_size(pod), read_only), argv, env, init)
+
+    def _spawn(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        root: Path,
+        full_argv: list[str],
+        argv: list[str],
+        env: Mapping[str, str],
+        init: bool,
+    ) -> PodProcess:
+        meta = pod["metadata"]
+        ip = pod["status"]["podIP"]
         # The first container's log keeps its old name (README and suites point at it).
         log_path = root / (f"init-{container['name']}.log" if init else "container.log")
         with log_path.open("ab") as out:
             offset = out.tell()
             # Own session: the container's processes form one group, stopped together (see _terminate).
             proc = subprocess.Popen(
-                private_shm_argv(argv, shm_size(pod), read_only),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=root,
-                start_new_session=True,
+                full_argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=root, start_new_session=True
             )
         what = f"init container {container['name']} of pod" if init else "pod"
         log.info("started %s %s (%s) as pid %d: %s", what, meta["name"], ip, proc.pid, " ".join(argv))
         return PodProcess(meta["name"], meta["uid"], ip, proc, log_path, argv, container["name"], offset, ps.now())
+
+    def _container_env(self, pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+        """The container's own ``env``, in order, ``$(VAR)`` references expanded as the kubelet does."""
+        container_env: dict[str, str] = {}
+        for item in container.get("env") or []:
+            source = item.get("valueFrom") or {}
+            if "value" in item:
+                value = expand_env_refs(item["value"], container_env)
+            elif "secretKeyRef" in source:
+                value = self._secret_value(source["secretKeyRef"])
+            elif "fieldRef" in source:
+                value = self._field_value(pod, source["fieldRef"]["fieldPath"])
+            else:
+                continue
+            container_env[item["name"]] = value
+        return container_env
+
+    def _start_in_image(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        volumes: Mapping[str, Path],
+        root: Path,
+        *,
+        init: bool,
+        image: Image,
+    ) -> PodProcess:
+        """Start one container inside its image's root filesystem (``container.py``): the image's env, user
+        and working dir under the pod's env, securityContext, volumes at their mount paths and its own
+        /dev/shm, /etc/hosts and hostname. Paths are the container's own; nothing is rewritten but a bind to
+        ``0.0.0.0``, which becomes the pod's IP (the test bed's pods share one network namespace)."""
+        meta, spec = pod["metadata"], pod["spec"]
+        ip = pod["status"]["podIP"]
+        name = container["name"]
+        read_only_volumes = {
+            v["name"]
+            for v in spec.get("volumes") or []
+            if any(k in v for k in READ_ONLY_SOURCES) or (v.get("persistentVolumeClaim") or {}).get("readOnly")
+        }
+        mounts = [
+            ContainerMount(
+                volumes[m["name"]] / m["subPath"] if m.get("subPath") else volumes[m["name"]],
+                m["mountPath"],
+                bool(m.get("readOnly")) or m["name"] in read_only_volumes,
+            )
+            for m in container.get("volumeMounts") or []
+            if m["mountPath"] != "/dev/shm"  # the container's private tmpfs
+        ]
+        for m in mounts:
+            if not m.source.exists():
+                m.source.mkdir(parents=True, mode=0o777)  # as the kubelet creates a missing subPath
+        message_file = self._termination_file(root, name)
+        message_file.write_bytes(b"")
+        message_file.chmod(0o666)  # the container's user writes it
+        etc = root / "etc" / name
+        etc.mkdir(parents=True, exist_ok=True)
+        hosts = f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{ip}\t{meta['name']}\n"
+        (etc / "hosts").write_text(hosts)
+        (etc / "hostname").write_text(f"{meta['name']}\n")
+        mounts += [
+            ContainerMount(message_file, container.get("terminationMessagePath") or TERMINATION_LOG),
+            ContainerMount(etc / "hosts", "/etc/hosts"),
+            ContainerMount(etc / "hostname", "/etc/hostname"),
+            ContainerMount(Path("/etc/resolv.conf"), "/etc/resolv.conf", read_only=True),
+        ]
+
+        # Image env, then the kubelet's, then the pod's own: a later definition wins.
+        env = dict(item.split("=", 1) for item in image.env if "=" in item)
+        env.update({"HOSTNAME": meta["name"], **self.service_env})
+        container_env = self._container_env(pod, container)
+        env.update(container_env)
+        env.update(self.extra_env)
+
+        # Kubernetes' rule: command replaces the ENTRYPOINT (and drops CMD), args replace CMD.
+        command = [expand_env_refs(a, container_env) for a in container.get("command") or []]
+        args = [expand_env_refs(a, container_env) for a in container.get("args") or []]
+        argv = [*command, *args] if command else [*image.entrypoint, *(args or image.cmd)]
+        # "Listen everywhere" means the pod's own IP: the test bed's pods share one network namespace.
+        argv = [a.replace("0.0.0.0", ip) for a in argv]
+        if not argv:
+            raise ValueError(f"container {name} has no command and its image {image.reference} none either")
+
+        pod_context = spec.get("securityContext") or {}
+        context = container.get("securityContext") or {}
+        uid, gid = image_user(
+            image,
+            context.get("runAsUser", pod_context.get("runAsUser")),
+            context.get("runAsGroup", pod_context.get("runAsGroup")),
+        )
+        if (context.get("runAsNonRoot", pod_context.get("runAsNonRoot"))) and uid == 0:
+            raise ValueError(f"container {name} has runAsNonRoot and image will run as root")
+        state = root / "containers" / name
+        shutil.rmtree(state, ignore_errors=True)  # a new container's writable layer starts empty
+        full_argv = container_argv(
+            argv,
+            image_root=image.rootfs,
+            state=state,
+            hostname=meta["name"][:63],
+            mounts=mounts,
+            shm_size=shm_size(pod),
+            uid=uid,
+            gid=gid,
+            working_dir=container.get("workingDir") or image.working_dir,
+            read_only_root=bool(context.get("readOnlyRootFilesystem")),
+        )
+        return self._spawn(pod, container, root, full_argv, argv, env, init)
 
     @staticmethod
     def _terminate(pod: PodProcess) -> None:

@@ -65,10 +65,12 @@ def _which(name: str) -> str:
 def netns_argv(cmd: Sequence[str], resolv_conf: Path, pod_cidr: str = NETNS_POD_CIDR) -> list[str]:
     """argv that runs ``cmd`` in fresh user+network+mount namespaces with ``pod_cidr`` local on lo and
     ``resolv_conf`` bound over /etc/resolv.conf."""
+    # Real root needs no user namespace, and must not take one: a namespace that maps only uid 0 has no
+    # uid 1000 for a pod's image to run as (container.py). Anyone else gets one, and pods run as its root.
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     return [
         _which("unshare"),
-        "--user",
-        "--map-root-user",
+        *user,
         "--net",
         "--mount",
         "--",

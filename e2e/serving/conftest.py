@@ -18,6 +18,7 @@ from omnimodel_testbed import Cluster
 from omnimodel_testbed.dns import ClusterDNS, service_addresses
 from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.netns import CLUSTER_DNS, NETNS_POD_CIDR
+from omnimodel_testbed.operator_pod import OperatorPod
 from omnimodel_testbed.pytest_plugin import ClusterHandle
 from support import Kube, cpu_pod_runner, pod_log_digest
 
@@ -35,11 +36,33 @@ def cluster_dns(cluster: ClusterHandle) -> Iterator[ClusterDNS]:
         dns.stop()
 
 
+@pytest.fixture(scope="session")
+def operator(
+    cluster: ClusterHandle, cluster_dns: ClusterDNS, crd: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorPod]:
+    """The operator as users run it: the chart installed with helm, its pod run from the operator image
+    that ``make images`` pushed to the test bed's registry (the CRD is the session's, hence crds off)."""
+    assert cluster.state is not None
+    op = OperatorPod(
+        cluster.state,
+        Cluster().api(cluster.state),
+        tmp_path_factory.mktemp("operator"),
+        values=["--set=crds.enabled=false"],
+    )
+    op.install()
+    try:
+        op.wait_healthy()
+        yield op
+    finally:
+        op.uninstall()
+
+
 @pytest.fixture
 def pods(cluster: ClusterHandle, cluster_dns: ClusterDNS, kube: Kube, tmp_path: Path) -> Iterator[PodRunner]:
-    """Every pod of the test's namespace runs for real, from this checkout's venv, on the CPU."""
+    """Every pod of the test's namespace runs for real on the CPU, from its image (vLLM-Omni's from the
+    cached vLLM-Omni environment: its upstream images cannot be pulled here)."""
     assert cluster.state is not None
-    runner = cpu_pod_runner(Cluster().api(cluster.state), kube.ns, tmp_path / "pods")
+    runner = cpu_pod_runner(Cluster().api(cluster.state), kube.ns, tmp_path / "pods", state=cluster.state)
     runner.start()
     try:
         yield runner
