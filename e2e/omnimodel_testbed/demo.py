@@ -53,21 +53,19 @@ import yaml
 
 from . import procs
 from .binaries import Toolchain, cache_root, ensure_built, expected_dir, kubectl_binary, missing_binaries
-from .cluster import Cluster, ClusterError
+from .cluster import Cluster, ClusterError, ClusterState
 from .dns import ClusterDNS, service_addresses
 from .kubelet import PodProcess, PodRunner
 from .netns import CLUSTER_DNS, NETNS_POD_CIDR, netns_argv, run_passing_signals
-from .operator_process import ChartOperator, service_account_kubeconfig
+from .operator_pod import RELEASE, RELEASE_NAMESPACE, OperatorPod, image_store, service_env
 from .progress import Reporter, StepError
+from .registry import TestbedImages
 from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
 __all__ = ["DEMO_MODELS", "STEPS", "enter", "processes_in_netns", "run"]
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "omnimodel-operator"
 NAMESPACE = "demo"
-RELEASE = "omnimodel-operator"
-RELEASE_NAMESPACE = "omnimodel-system"
 GATEWAY_PORT = 8000
 STAGE_PORT = 8001
 
@@ -356,7 +354,8 @@ class _Inside:
         self._records_lock = threading.Lock()
         self.kubeconfig = Path()
         self.runner: PodRunner | None = None
-        self.operator: ChartOperator | None = None
+        self.operator: OperatorPod | None = None
+        self.state: ClusterState | None = None
         # kubectl's discovery cache and helm's homes in the state dir, not in ~/.kube and ~/.cache (each run
         # is a new cluster on new ports: a cache in the home directory would only pile up).
         self.kube_env = {**os.environ, "KUBECACHEDIR": str(paths.demo / "kube-cache")}
@@ -432,8 +431,8 @@ class _Inside:
     def pod_logs(self) -> list[str]:
         runner = self.runner
         logs = [f"{p.name}: {p.log_path}" for p in (runner.processes() if runner else [])]
-        if self.operator is not None:
-            logs.append(f"operator: {self.operator.log}")
+        if self.operator is not None and (process := self.operator.process()) is not None:
+            logs.append(f"operator: {process.log_path}")
         return [*logs, f"control plane: {self.paths.state_dir / 'logs'}"]
 
     def check_pods(self) -> None:
@@ -442,8 +441,10 @@ class _Inside:
             if p.proc.poll() is not None:
                 tail = procs.log_tail(p.log_path, 25)
                 raise StepError(f"pod {p.name}'s process exited with {p.proc.returncode}; {p.log_path}:\n{tail}")
-        if self.operator is not None and self.operator.proc.poll() is not None:
-            raise StepError(f"the operator exited with {self.operator.proc.returncode}; see {self.operator.log}")
+        process = self.operator.process() if self.operator is not None else None
+        if process is not None and process.proc.poll() is not None:
+            tail = procs.log_tail(process.log_path, 25)
+            raise StepError(f"the operator pod's process exited with {process.proc.returncode}:\n{tail}")
 
     def poll(self, what: str, predicate: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
         def checked() -> T | None:
@@ -488,6 +489,7 @@ class _Inside:
         except (ClusterError, procs.ReadinessTimeoutError) as err:
             raise StepError(str(err)) from err
         self.teardown.callback(self._stop_cluster, cluster)
+        self.state = state
         self.kubeconfig = state.kubeconfig
         api = cluster.api(state)
         dns = ClusterDNS(partial(service_addresses, api), *CLUSTER_DNS)
@@ -504,6 +506,9 @@ class _Inside:
             NAMESPACE,
             self.paths.pods,
             Path(sys.executable).parent,
+            # Each pod runs its image from the test bed's registry, as uid 1000 (vLLM-Omni's from its env).
+            images=image_store(state),
+            service_env=service_env(state),
             # One model cache for all pods, as a shared PVC would be: each tiny model is built once.
             shared_dirs={"model-cache": cache_root() / "models"},
             extra_env={
@@ -529,56 +534,58 @@ class _Inside:
         )
 
     def install_chart(self) -> None:
+        assert self.state is not None
         self.show("create", "namespace", NAMESPACE)
-        helm = ensure_built().path("helm")
-        args = [
-            "install", RELEASE, str(CHART.relative_to(REPO)), "-n", RELEASE_NAMESPACE, "--create-namespace",
-            f"--set=watchNamespaces={{{NAMESPACE}}}", "--wait", "--timeout=120s",
-        ]  # fmt: skip
-        self.reporter.say(f"$ helm {' '.join(args)}")
-        self.reporter.status = "helm waits for the operator Deployment to be available"
-        proc = subprocess.run(
-            [str(helm), f"--kubeconfig={self.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=180,
-            env=self.helm_env,
-            cwd=REPO,
+        operator = OperatorPod(
+            self.state,
+            Cluster(self.paths.state_dir).api(self.state),
+            self.paths.demo / "operator",
+            values=[f"--set=watchNamespaces={{{NAMESPACE}}}"],
+            on_start=self._pod_started,
+            helm_env=self.helm_env,
         )
-        if proc.returncode != 0:
-            raise StepError(f"helm install failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        keep = ("NAME:", "NAMESPACE:", "STATUS:", "REVISION:")
-        self.reporter.say("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(keep)))
-
-    def start_operator(self) -> None:
-        deployment = json.loads(self.kubectl("get", "deployment", RELEASE, "-n", RELEASE_NAMESPACE, "-o", "json"))
-        self.show(
-            "get", "pods", "-n", RELEASE_NAMESPACE, "-o",
-            "custom-columns=POD:.metadata.name,STATUS:.status.phase,NODE:.spec.nodeName",
-        )  # fmt: skip
-        token = self.kubectl("create", "token", RELEASE, "-n", RELEASE_NAMESPACE, "--duration=24h").strip()
-        workdir = self.paths.demo / "operator"
-        workdir.mkdir(parents=True, exist_ok=True)
-        kubeconfig = service_account_kubeconfig(self.kubeconfig, token, workdir / "sa.kubeconfig")
-        operator = ChartOperator(deployment, kubeconfig, workdir, own_session=True)
         self.operator = operator
         self.teardown.callback(self._stop_operator, operator)
-        self.record("operator", operator.pid, operator.log)
+        images = TestbedImages.of(self.state)
         self.reporter.say(
-            "kwok runs that pod's lifecycle, not its container, so its command runs here instead:\n"
-            f"  {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(operator.command))}"
-            f"  (pid {operator.pid}, as system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}; log {operator.log})"
+            f"images: `make images` pushed them to the test bed's registry at 127.0.0.1:{images.port}; the chart\n"
+            f"  names them through its values: {' '.join(images.chart_values()[:2])} (every vendor's stage image is\n"
+            f"  the -cpu one here: the fake nodes have no devices)"
         )
-        self.reporter.status = "kopf's /healthz"
+        self.reporter.status = "helm installs the chart; its operator pod pulls its image"
         try:
-            self.poll("the operator's /healthz", operator.healthy, timeout=90)
+            out = operator.install()
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            raise StepError(str(err)) from err
+        self.reporter.say(f"$ helm {' '.join(operator.helm_args)}")
+        keep = ("NAME:", "NAMESPACE:", "STATUS:", "REVISION:")
+        self.reporter.say("\n".join(ln for ln in out.splitlines() if ln.startswith(keep)))
+
+    def start_operator(self) -> None:
+        assert self.operator is not None
+        self.reporter.status = "the operator pod: image pull, then kopf's /healthz"
+        try:
+            process = self.poll("the operator pod's /healthz", self._operator_healthy, timeout=300)
         except RuntimeError as err:
             raise StepError(str(err)) from err
+        self.show(
+            "get", "pods", "-n", RELEASE_NAMESPACE, "-o",
+            "custom-columns=POD:.metadata.name,STATUS:.status.phase,NODE:.spec.nodeName,IMAGE:.status.containerStatuses[0].imageID",
+        )  # fmt: skip
+        pid = process.proc.pid
+        self.reporter.say(
+            f"the operator runs from its image as uid 1000 (pid {pid}, root {os.readlink(f'/proc/{pid}/root')}),\n"
+            f"  as system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE} through its projected token;\n"
+            f"  log {process.log_path}"
+        )
 
-    def _stop_operator(self, operator: ChartOperator) -> None:
-        operator.stop()
-        self.reporter.say(f"stopped the operator (pid {operator.pid})")
+    def _operator_healthy(self) -> PodProcess | None:
+        assert self.operator is not None
+        return self.operator.process() if self.operator.healthy() else None
+
+    def _stop_operator(self, operator: OperatorPod) -> None:
+        operator.uninstall()
+        self.reporter.say("uninstalled the chart; the operator pod's process stopped")
 
     def apply_models(self) -> None:
         assert self.runner is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -60,6 +60,7 @@ class OperatorPod:
         *,
         values: Sequence[str] = (),
         on_start: Callable[[PodProcess], None] | None = None,
+        helm_env: Mapping[str, str] | None = None,
     ) -> None:
         self.state = state
         self.api = api
@@ -76,6 +77,7 @@ class OperatorPod:
             on_start=on_start,
         )
         self.helm_args: list[str] = []
+        self.helm_env = dict(helm_env) if helm_env is not None else None
 
     def helm(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
@@ -85,6 +87,7 @@ class OperatorPod:
             check=False,
             timeout=timeout,
             cwd=REPO,
+            env=self.helm_env,
         )
         if proc.returncode != 0:
             raise RuntimeError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
