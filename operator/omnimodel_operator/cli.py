@@ -48,12 +48,22 @@ def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: O
 def _run(args: argparse.Namespace) -> int:
     import kopf  # noqa: PLC0415
 
-    from omnimodel_operator import handlers  # noqa: F401, PLC0415  (importing registers the handlers)
+    from omnimodel_operator.preflight import StartupError, preflight  # noqa: PLC0415
 
-    namespaces = args.namespace or OperatorSettings().namespaces
+    settings = OperatorSettings()
+    namespaces = args.namespace or settings.namespaces
     kopf.configure(verbose=args.verbose)
     # httpx logs every request at INFO: the operator logs what it changed, not each round trip.
     logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    # kopf would retry a missing config or refused credentials forever without ever serving /healthz.
+    try:
+        preflight(namespaces, settings.api_startup_timeout)
+    except StartupError as err:
+        logging.getLogger("omnimodel_operator").error(f"Cannot start: {err}")
+        return 1
+
+    from omnimodel_operator import handlers  # noqa: F401, PLC0415  (importing registers the handlers)
+
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,

@@ -75,6 +75,13 @@ class OperatorSettings(BaseSettings):
         description="Render NetworkPolicies limiting stage ingress to the gateway and upstream stages.",
     )
     health_port: int = Field(default=8080, description="kopf liveness endpoint port.")
+    api_startup_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds `omnimodel-operator run` keeps trying, before kopf starts, to list OmniModels "
+        "while the API server is unreachable, answers 5xx/429, or serves no OmniModels yet; then it exits "
+        "non-zero. A missing cluster config and refused credentials (401/403) exit at once.",
+    )
     metrics_port: int = Field(
         default=8081,
         ge=0,

@@ -64,6 +64,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "runtime": {"repository": "registry.local/rt", "tag": "1.2.3", "images": {"cpu": "registry.local/cpu:x"}},
         "operator": {
             "resyncInterval": 2.5,
+            "apiStartupTimeout": 12,
             "networkPolicy": False,
             "healthPort": 9090,
             "verbose": True,
@@ -237,6 +238,7 @@ def test_default_env_is_exactly_the_operator_defaults(render: Render, monkeypatc
         network_policy=True,
         health_port=8080,
         metrics_port=8081,
+        api_startup_timeout=30.0,
     )
 
 
@@ -254,6 +256,7 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
         monkeypatch.setenv(name, value)
     settings = OperatorSettings()
     assert settings.resync_interval == 2.5
+    assert settings.api_startup_timeout == 12
     assert settings.network_policy is False
     assert settings.health_port == 9090
     assert settings.metrics_port == 9091
