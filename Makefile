@@ -17,6 +17,14 @@ help: ## List targets
 venv: ## Create .venv with every extra (CPU torch from ../shared/wheels when present)
 	./.ci/setup-venv
 
+# One lock for .venv, CI and the images (.ci/lock says how and why); LOCK_ARGS=--upgrade moves every pin.
+.PHONY: lock lock-check
+lock: ## Regenerate requirements.lock and docker/requirements/*.txt from pyproject.toml (needs PyPI)
+	UV=$(VENV_BIN)uv ./.ci/lock $(LOCK_ARGS)
+
+lock-check: ## Offline: fail when pyproject.toml, requirements.lock and docker/requirements/*.txt disagree
+	$(PY) -m pytest -q tests/unit/test_lock.py $(PYTEST_ARGS)
+
 .PHONY: crds
 crds: ## Regenerate crds/ and the chart's CRD template from the pydantic API models
 	$(VENV_BIN)omnimodel-operator crd > crds/omnimodel.io_omnimodels.yaml
