@@ -38,8 +38,13 @@ chart-generate: ## Regenerate the chart's CRD template and values.schema.json
 chart-lint: cluster-build ## helm lint --strict the chart
 	"$$($(PY) -m omnimodel_testbed helm-path)" lint --strict charts/omnimodel-operator
 
-images: ## Build operator + runtime images with their default tags (needs docker; DRY_RUN=1 prints)
-	PY=$(PY) docker/build-images.sh
+# IMAGES picks which (operator, cpu, cuda, rocm); cuda and rocm need their vendors' base images.
+IMAGES ?= operator cpu
+images: ## Build the operator and CPU runtime images (buildah, or docker) into the test bed's registry; REGISTRY=… PUSH=1 pushes there instead
+	@if [ -n "$(PUSH)" ]; then PY=$(PY) docker/build-images.sh $(IMAGES); else \
+	  list=$$(mktemp) && trap 'rm -f "$$list"' EXIT && \
+	  PY=$(PY) IMAGES_OUT="$$list" docker/build-images.sh $(IMAGES) && \
+	  $(TESTBED) push-images $$(cat "$$list"); fi
 
 .PHONY: lint
 lint: ## ruff (lint + format check), mypy --strict, import-linter
@@ -48,6 +53,7 @@ lint: ## ruff (lint + format check), mypy --strict, import-linter
 	$(VENV_BIN)mypy operator/omnimodel_operator runtime/omnimodel_runtime $(wildcard e2e/omnimodel_testbed) bench
 	$(VENV_BIN)lint-imports
 	$(VENV_BIN)hadolint --failure-threshold style docker/*.Dockerfile
+	./.ci/actionlint
 
 .PHONY: fmt
 fmt: ## Format and auto-fix
@@ -63,7 +69,7 @@ e2e: cluster-build ## End-to-end tests on the local control plane (reuses a runn
 	$(PY) -m pytest e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 
 .PHONY: e2e-serving
-e2e-serving: cluster-build ## Real requests through gateway and stage pods (own cluster, in a network namespace)
+e2e-serving: cluster-build images ## Real requests through gateway and stage pods (own cluster, in a network namespace)
 	$(PY) -m omnimodel_testbed netns -- $(PY) -m pytest e2e/serving $(PYTEST_ARGS)
 
 .PHONY: bench-autoscaling
@@ -71,7 +77,7 @@ bench-autoscaling: cluster-build ## Replay bench/traces/burst.json autoscaled vs
 	$(PY) -m omnimodel_testbed netns -- $(PY) e2e/bench_autoscaling.py $(BENCH_ARGS)
 
 .PHONY: e2e-demo
-e2e-demo: cluster-build ## Run `make demo`'s script end to end and check its WAV, PNG and that nothing is left behind
+e2e-demo: cluster-build images ## Run `make demo`'s script end to end and check its WAV, PNG and that nothing is left behind
 	$(PY) -m pytest e2e/demo $(PYTEST_ARGS)
 
 # The presets whose engines use transformers and diffusers directly, and the fuzz suite that starts each
@@ -117,7 +123,7 @@ render: ## Render every example to stdout, as the operator would apply it
 	@for f in examples/*.yaml; do echo "# --- $$f"; $(VENV_BIN)omnimodel-operator render -f $$f; done
 
 .PHONY: demo demo-serve
-demo: ## The operator deploys tiny OmniModels on the local cluster; chat, audio, image, scale (DEMO_KEEP=1 leaves it up)
+demo: images ## The operator deploys tiny OmniModels on the local cluster; chat, audio, image, scale (DEMO_KEEP=1 leaves it up)
 	$(PY) -m omnimodel_testbed demo
 
 demo-serve: ## The fast in-process demo: `omnimodel serve` on a tiny text model, asked once with the openai client

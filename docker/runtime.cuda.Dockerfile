@@ -33,19 +33,18 @@ LABEL org.opencontainers.image.title="omnimodel-runtime" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.omnimodel.image.role="runtime" \
       io.omnimodel.image.variant="cuda"
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY --from=wheel /wheels/ /tmp/wheels/
 # The base installs into its system Python, hence PIP_BREAK_SYSTEM_PACKAGES; the constraints pin every
 # GPU package of the base so that resolving our extras can never swap a CUDA build for another.
-RUN python3 -m pip list --format=freeze \
-      | grep -iE '^(torch|torchvision|torchaudio|triton|vllm|xformers|flashinfer-python|flash-attn)==' \
+RUN python3 -m pip list --format=freeze > /tmp/base-packages.txt \
+ && grep -iE '^(torch|torchvision|torchaudio|triton|vllm|xformers|flashinfer-python|flash-attn)==' /tmp/base-packages.txt \
       > /tmp/base-constraints.txt \
  && grep -iq '^torch==' /tmp/base-constraints.txt \
  && grep -iq '^vllm==' /tmp/base-constraints.txt \
  && wheel=$(echo /tmp/wheels/omnimodel-*.whl) \
  && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir \
       --constraint /tmp/base-constraints.txt "${wheel}[${OMNIMODEL_EXTRAS}]" \
- && rm -rf /tmp/wheels /tmp/base-constraints.txt \
+ && rm -rf /tmp/wheels /tmp/base-packages.txt /tmp/base-constraints.txt \
  && omnimodel --help > /dev/null
 # uid 1000 is what the operator's pods run as (runAsUser); reuse the base's user if it has one.
 RUN if ! getent group 1000 > /dev/null; then groupadd --gid 1000 omnimodel; fi \

