@@ -25,6 +25,7 @@ from omnimodel_runtime.protocol.openai import (
     ChatMessageParam,
     OpenAIBaseModel,
     OpenAIRequestBody,
+    Text,
     UsageInfo,
     random_id,
 )
@@ -114,7 +115,7 @@ class TextToImageParams(BaseModel):
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     seed: Seed | None = None
 
     @model_validator(mode="after")
@@ -154,7 +155,7 @@ class ImageEditParams(BaseModel):
 class _ImageFields(OpenAIRequestBody):
     """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
 
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
@@ -163,7 +164,7 @@ class _ImageFields(OpenAIRequestBody):
 class ImageGenerationRequest(_ImageFields):
     """``POST /v1/images/generations``."""
 
-    prompt: str
+    prompt: Text
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
     size: str | None = None
@@ -218,14 +219,14 @@ class ImageEditRequest(OpenAIBaseModel):
     input image's latents), a 400 naming it rather than a setting silently ignored.
     """
 
-    prompt: str
+    prompt: Text
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
     size: str | None = None
     response_format: Literal["b64_json"] | None = None
     output_format: Literal["png"] | None = None
     user: str | None = None
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None

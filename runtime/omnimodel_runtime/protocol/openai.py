@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # OpenAI's own limit on stop sequences.
@@ -25,6 +25,31 @@ MAX_TOKEN_ID: Final = 2**31 - 1
 # A seed every engine accepts: torch generators take the int64 range (and vLLM its own int64 seed).
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def unicode_text(value: str) -> str:
+    """``value`` unless it holds a lone UTF-16 surrogate, which is a pydantic error naming where.
+
+    JSON may escape one (``"a\\ud800b"``) and Python's JSON parser keeps it, but it is no Unicode character:
+    no UTF-8 encoding carries it, so a tokenizer raises on it (a TypeError deep in a batch), a stage request
+    cannot be serialised and an answer echoing it cannot be encoded. The message does not quote the value
+    for the same reason.
+    """
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PydanticCustomError(
+            "string_unicode",
+            "holds a lone UTF-16 surrogate ({code} at character {index}), which is not Unicode text",
+            {"code": f"U+{ord(value[err.start]):04X}", "index": err.start},
+        ) from None
+    return value
+
+
+# Free text that reaches a tokenizer (or is forwarded to a stage): valid Unicode, checked here.
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 def random_id(prefix: str) -> str:
@@ -127,6 +152,8 @@ StopParam = str | list[str] | None
 
 def _check_stop(value: StopParam) -> StopParam:
     stops = [value] if isinstance(value, str) else (value or [])
+    for stop in stops:
+        unicode_text(stop)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
     if any(s == "" for s in stops):
@@ -242,7 +269,24 @@ class ContentPart(OpenAIRequestModel):
 class ChatMessageParam(OpenAIRequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_is_text(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        # Checked on the whole field, not on ContentPart.text: inside the union an error would name the
+        # union's first member (``messages.0.content.str``) instead of the content.
+        if isinstance(content, str):
+            unicode_text(content)
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            if part.text is not None:
+                try:
+                    unicode_text(part.text)
+                except PydanticCustomError as err:
+                    raise PydanticCustomError(
+                        "string_unicode", "part {index}'s text {why}", {"index": index, "why": err.message()}
+                    ) from None
+        return content
 
 
 class ChatAudioParam(OpenAIRequestModel):
@@ -383,7 +427,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     # Refused above 1 (serving.text): one completion per request.
     best_of: Annotated[int, Field(ge=1)] | None = None
 
@@ -398,6 +442,14 @@ class CompletionRequest(_SamplingFields):
                 raise PydanticCustomError(
                     "token_id", "token ids must be between 0 and {max} (got {bad})", {"max": MAX_TOKEN_ID, "bad": bad}
                 )
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(cls, value: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                unicode_text(text)
         return value
 
 

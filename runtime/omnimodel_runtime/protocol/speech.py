@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from omnimodel_runtime.errors import StageError
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestBody, OpenAIRequestModel, Seed
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, OpenAIRequestBody, OpenAIRequestModel, Seed, Text
 
 # OpenAI's documented limit on ``input``; the acoustic stage has its own, in tokens.
 MAX_INPUT_CHARS: Final = 4096
@@ -69,9 +69,10 @@ class SpeechRequest(OpenAIRequestBody):
     """``POST /v1/audio/speech``."""
 
     model: str | None = None
+    # Not Text: pydantic checks a length-constrained string as UTF-8 itself (a lone surrogate is a 400 here).
     input: Annotated[str, Field(min_length=1, max_length=MAX_INPUT_CHARS)]
     voice: Annotated[str, Field(min_length=1, max_length=64)] | VoiceRef = "default"
-    instructions: str | None = None
+    instructions: Text | None = None
     # None: wav for a whole response (vLLM-Omni's default; OpenAI's is mp3), pcm for a stream.
     response_format: SpeechFormat | None = None
     speed: Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED)] = 1.0

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from omnimodel_runtime.protocol.images import Guidance, Seed, Steps, parse_size
-from omnimodel_runtime.protocol.openai import OpenAIBaseModel
+from omnimodel_runtime.protocol.openai import OpenAIBaseModel, Text
 
 # A minute of video at 16 fps is 961 frames; beyond that one request holds an accelerator for hours.
 MAX_FRAMES: Final = 961
@@ -51,7 +51,7 @@ class TextToVideoParams(BaseModel):
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     guidance_scale_2: Guidance | None = None
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     seed: Seed | None = None
     # mp4: the file the API serves; frames: the raw pixels (tests and benchmarks compare them exactly).
     output: Literal["mp4", "frames"] = "mp4"
@@ -68,7 +68,7 @@ class TextToVideoParams(BaseModel):
 class VideoCreateRequest(OpenAIBaseModel):
     """``POST /v1/videos`` (JSON or multipart form; lax types, since a form's values are all text)."""
 
-    prompt: str
+    prompt: Text
     model: str | None = None
     seconds: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = None
     size: str | None = None
@@ -77,7 +77,7 @@ class VideoCreateRequest(OpenAIBaseModel):
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     guidance_scale_2: Guidance | None = None
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     seed: Seed | None = None
     # vLLM-Omni's example clients send the size as width and height form fields.
     width: Annotated[int, Field(ge=1, le=MAX_VIDEO_SIDE)] | None = None
