@@ -40,8 +40,11 @@ class AcceleratorSpec:
     product_prefix: str
     # Labels every node of this vendor carries (besides the product label).
     presence_labels: Mapping[str, str]
-    # Suffix of the runtime image tag built for this vendor (docker/runtime.*.Dockerfile).
+    # Suffix of the runtime image tag built for this vendor (docker/runtime.<variant>.Dockerfile).
     image_variant: str
+    # Whether this project builds and publishes that image. Without a Dockerfile there is no image to
+    # default to: the vendor's stages need one named (spec.runtime.image or the operator's runtime_images).
+    has_runtime_image: bool
     # Value of OMNIMODEL_DEVICE inside the pod: the torch device family the runtime should use.
     torch_device: str
     # Extra env the engines need on this vendor.
@@ -96,6 +99,7 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="NVIDIA-",
         presence_labels={"nvidia.com/gpu.present": "true"},
         image_variant="cuda",
+        has_runtime_image=True,
         torch_device="cuda",
     ),
     Vendor.AMD: AcceleratorSpec(
@@ -105,6 +109,7 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="AMD_Instinct_",
         presence_labels={"amd.com/gpu.present": "true"},
         image_variant="rocm",
+        has_runtime_image=True,
         torch_device="cuda",  # ROCm torch exposes AMD GPUs through the cuda device API.
     ),
     Vendor.INTEL: AcceleratorSpec(
@@ -114,6 +119,7 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={"intel.feature.node.kubernetes.io/gpu": "true"},
         image_variant="xpu",
+        has_runtime_image=False,
         torch_device="xpu",
     ),
     Vendor.ASCEND: AcceleratorSpec(
@@ -123,6 +129,7 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={"accelerator": "huawei-Ascend910"},
         image_variant="cann",
+        has_runtime_image=False,
         torch_device="npu",
     ),
     Vendor.CPU: AcceleratorSpec(
@@ -132,6 +139,7 @@ ACCELERATORS: Final[Mapping[Vendor, AcceleratorSpec]] = {
         product_prefix="",
         presence_labels={},
         image_variant="cpu",
+        has_runtime_image=True,
         torch_device="cpu",
         # Without a device, engines must not try CUDA (vLLM picks its platform from this).
         extra_env={"CUDA_VISIBLE_DEVICES": ""},

@@ -191,6 +191,16 @@ def build_pipeline(name: str, namespace: str, spec: OmniModelSpec) -> Pipeline:
         raise InvalidSpec(_spec_path(path), message) from None
 
 
+def _no_image(vendor: Vendor) -> str:
+    # Said here rather than left to the kubelet: a made-up default tag would only show up later as an
+    # ImagePullBackOff on a node, far from the setting that fixes it.
+    return (
+        f"no runtime image for vendor {vendor.value}: this project publishes none for it; set the "
+        f"operator's image for {vendor.value} (Helm value runtime.images.{vendor.value}, or "
+        f"OMNIMODEL_RUNTIME_IMAGES) or spec.runtime.image (used by every stage and the gateway)"
+    )
+
+
 def resolve(
     name: str,
     namespace: str,
@@ -222,8 +232,10 @@ def resolve_omnimodel(
         else:
             replicas = user.replicas if user is not None and user.replicas is not None else 1
         image = spec.runtime.image or settings.runtime_image(stage.accelerator.vendor)
+        if image is None:
+            raise InvalidSpec(f"spec.stages[{stage.name}].accelerator.vendor", _no_image(stage.accelerator.vendor))
         plans.append(StagePlan(stage=stage, spec=user, replicas=replicas, image=image))
-    gateway_image = spec.runtime.image or settings.runtime_image(Vendor.CPU)
+    gateway_image = spec.runtime.image or settings.cpu_runtime_image
     return Plan(
         name=name,
         namespace=namespace,

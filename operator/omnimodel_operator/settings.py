@@ -15,9 +15,13 @@ from omnimodel_operator import constants as C
 from omnimodel_operator.accelerators import ACCELERATORS
 from omnimodel_runtime.pipeline import Vendor
 
+# The runtime image this release publishes per vendor (docker/runtime.<variant>.Dockerfile). Only vendors
+# with a Dockerfile are here: a default naming a tag that is never pushed would leave the vendor's pods in
+# ImagePullBackOff, so their stages are refused until runtime_images or spec.runtime.image names one.
 DEFAULT_RUNTIME_IMAGES: Final = {
     vendor.value: f"{C.DEFAULT_RUNTIME_REPOSITORY}:{__version__}-{spec.image_variant}"
     for vendor, spec in ACCELERATORS.items()
+    if spec.has_runtime_image
 }
 
 
@@ -32,7 +36,9 @@ class OperatorSettings(BaseSettings):
 
     runtime_images: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_RUNTIME_IMAGES),
-        description="Runtime image per accelerator vendor (JSON object), used when a CR sets none.",
+        description="Runtime image per accelerator vendor (JSON object), used when a CR sets none. Vendors "
+        "left out get this release's image where one is published (nvidia, amd, cpu); a stage on any other "
+        "vendor (intel, ascend) is refused until this or spec.runtime.image names an image.",
     )
     image_pull_policy: str = Field(default="IfNotPresent")
     resync_interval: float = Field(
@@ -116,5 +122,12 @@ class OperatorSettings(BaseSettings):
             vendor.value, DEFAULT_VLLM_OMNI_IMAGES.get(vendor.value, DEFAULT_VLLM_OMNI_IMAGE)
         )
 
-    def runtime_image(self, vendor: Vendor) -> str:
-        return self.runtime_images.get(vendor.value, DEFAULT_RUNTIME_IMAGES[vendor.value])
+    def runtime_image(self, vendor: Vendor) -> str | None:
+        """The runtime image for ``vendor``'s stages; None when neither runtime_images nor this release
+        names one (a vendor without a published image)."""
+        return self.runtime_images.get(vendor.value, DEFAULT_RUNTIME_IMAGES.get(vendor.value))
+
+    @property
+    def cpu_runtime_image(self) -> str:
+        """The image of the gateway and the weights fetcher: CPU always has a published one."""
+        return self.runtime_images.get(Vendor.CPU.value, DEFAULT_RUNTIME_IMAGES[Vendor.CPU.value])

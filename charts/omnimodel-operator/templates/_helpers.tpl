@@ -120,27 +120,38 @@ The operator image: repository:tag, or repository@digest when a digest pins it.
 {{- end }}
 
 {{/*
-Runtime image variant per accelerator vendor: the image_variant column of
-omnimodel_operator/accelerators.py (a unit test keeps the two equal).
+Runtime image variant per accelerator vendor whose image this project publishes: the image_variant
+column of omnimodel_operator/accelerators.py where has_runtime_image is true (a unit test keeps the two
+equal). Intel (xpu) and Ascend (cann) have no Dockerfile, so no image to default to.
 */}}
 {{- define "omnimodel-operator.runtimeVariants" -}}
-{{- dict "nvidia" "cuda" "amd" "rocm" "intel" "xpu" "ascend" "cann" "cpu" "cpu" | toJson }}
+{{- dict "nvidia" "cuda" "amd" "rocm" "cpu" "cpu" | toJson }}
 {{- end }}
 
 {{/*
-OMNIMODEL_RUNTIME_IMAGES: a JSON object vendor → image, every vendor present. The default for a vendor
+Every accelerator vendor the operator knows (runtime.images may name any of them).
+*/}}
+{{- define "omnimodel-operator.runtimeVendors" -}}
+{{- list "amd" "ascend" "cpu" "intel" "nvidia" | toJson }}
+{{- end }}
+
+{{/*
+OMNIMODEL_RUNTIME_IMAGES: a JSON object vendor → image. The default for a vendor with a published image
 is <runtime.repository>:<runtime.tag or appVersion>-<variant>, exactly what the operator would pick
-itself (omnimodel_operator.settings.DEFAULT_RUNTIME_IMAGES); runtime.images replaces single vendors.
+itself (omnimodel_operator.settings.DEFAULT_RUNTIME_IMAGES); runtime.images replaces or adds single
+vendors. A vendor left out (intel, ascend unless runtime.images names them) gets no image: the operator
+refuses its stages with InvalidSpec instead of rendering pods that could never pull.
 */}}
 {{- define "omnimodel-operator.runtimeImages" -}}
 {{- $tag := .Values.runtime.tag | default .Chart.AppVersion }}
+{{- $vendors := include "omnimodel-operator.runtimeVendors" . | fromJsonArray }}
 {{- $images := dict }}
 {{- range $vendor, $variant := include "omnimodel-operator.runtimeVariants" . | fromJson }}
 {{- $_ := set $images $vendor (printf "%s:%s-%s" $.Values.runtime.repository $tag $variant) }}
 {{- end }}
 {{- range $vendor, $image := .Values.runtime.images }}
-{{- if not (hasKey $images $vendor) }}
-{{- fail (printf "runtime.images: unknown accelerator vendor %q (known: amd, ascend, cpu, intel, nvidia)" $vendor) }}
+{{- if not (has $vendor $vendors) }}
+{{- fail (printf "runtime.images: unknown accelerator vendor %q (known: %s)" $vendor (join ", " $vendors)) }}
 {{- end }}
 {{- $_ := set $images $vendor $image }}
 {{- end }}

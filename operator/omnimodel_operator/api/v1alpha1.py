@@ -272,8 +272,9 @@ class RuntimeSpec(KubeModel):
         default=None,
         min_length=1,
         description="Runtime image for every stage and the gateway. Defaults to the operator's image "
-        "for each stage's accelerator vendor (cuda, rocm, xpu, cann or cpu variant; for vllm-omni, the "
-        "vLLM-Omni image for the vendor).",
+        "for each stage's accelerator vendor (published for nvidia, amd and cpu; intel and ascend have none, "
+        "so the operator must be given one or the stage is refused; for vllm-omni, the vLLM-Omni image for "
+        "the vendor).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy for runtime containers."

@@ -29,7 +29,6 @@ from omnimodel_operator.builders.common import (
 )
 from omnimodel_operator.resolve import Plan, StagePlan
 from omnimodel_operator.settings import OperatorSettings
-from omnimodel_runtime.pipeline import Vendor
 
 COMPONENT_FETCH: Final = "fetch"
 PROGRESS_PORT: Final = 8002
@@ -100,7 +99,7 @@ def fetch_job(plan: Plan, settings: OperatorSettings) -> Manifest | None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     container: dict[str, Any] = {
         "name": "fetch",
-        "image": plan.spec.runtime.image or settings.runtime_image(Vendor.CPU),
+        "image": plan.spec.runtime.image or settings.cpu_runtime_image,
         "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
         "command": ["omnimodel", "fetch"],
         "args": [

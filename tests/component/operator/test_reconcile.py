@@ -172,6 +172,25 @@ async def test_invalid_spec_applies_and_deletes_nothing(kube: FakeKube) -> None:
     assert kube.writes[writes:] == []
 
 
+async def test_a_stage_on_a_vendor_without_an_image_is_refused_until_one_is_named(kube: FakeKube) -> None:
+    kube.put(example("text-to-image-tiny.yaml"))  # its DiT runs on Ascend, which has no published image
+    out = await run(kube, "image-tiny")
+    assert out.invalid is not None and out.applied == []
+    assert {k[1] for k in kube.objects} == {"OmniModel", "Event"}
+    r = ready(kube, "image-tiny")
+    assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
+    assert r["message"].startswith("spec.stages[denoise].accelerator.vendor: no runtime image for vendor ascend")
+    assert "runtime.images.ascend" in r["message"]
+
+    own = "registry.example.com/ml/omnimodel-runtime:cann"
+    settings = OperatorSettings(runtime_images={"ascend": own})
+    await reconcile(kube, body(kube, "image-tiny"), kube.snapshot("image-tiny"), settings, now)
+    denoise = kube.find("Deployment", "image-tiny-denoise")
+    assert denoise is not None
+    assert denoise["spec"]["template"]["spec"]["containers"][0]["image"] == own
+    assert ready(kube, "image-tiny")["reason"] != "InvalidSpec"
+
+
 async def test_drift_is_repaired(kube: FakeKube) -> None:
     kube.put(example("text-tiny.yaml"))
     await run(kube, "text-tiny")

@@ -268,7 +268,18 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
 def test_runtime_image_per_vendor_follows_the_accelerator_table(render: Render) -> None:
     env = env_of(operator_container(render({"runtime": {"repository": "registry.local/rt", "tag": "9.9"}})))
     images = json.loads(env["OMNIMODEL_RUNTIME_IMAGES"])
-    assert images == {v.value: f"registry.local/rt:9.9-{spec.image_variant}" for v, spec in ACCELERATORS.items()}
+    # Only vendors with a published image get one: the operator refuses the others' stages instead.
+    assert images == {
+        v.value: f"registry.local/rt:9.9-{spec.image_variant}"
+        for v, spec in ACCELERATORS.items()
+        if spec.has_runtime_image
+    }
+
+
+def test_runtime_images_name_the_vendors_without_a_published_image(render: Render) -> None:
+    own = {"intel": "registry.local/rt:xpu", "ascend": "registry.local/rt:cann"}
+    env = env_of(operator_container(render({"runtime": {"images": own}})))
+    assert json.loads(env["OMNIMODEL_RUNTIME_IMAGES"]) == {**DEFAULT_RUNTIME_IMAGES, **own}
 
 
 def test_runtime_image_override_replaces_one_vendor_only(render: Render) -> None:

@@ -12,13 +12,20 @@ import yaml
 
 from omnimodel_operator.builders import render
 from omnimodel_operator.resolve import resolve
-from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 from omnimodel_runtime.pipeline import PRESETS, Vendor
 
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).parents[3]
 PRODUCTS = {Vendor.NVIDIA: "H200", Vendor.AMD: "MI300X", Vendor.INTEL: "Max_1550", Vendor.ASCEND: "910B"}
-SETTINGS = OperatorSettings()
+# Intel and Ascend have no published runtime image: the operator is told one, as a cluster with them must be.
+SETTINGS = OperatorSettings(
+    runtime_images={
+        **DEFAULT_RUNTIME_IMAGES,
+        "intel": "registry.example.com/ml/omnimodel-runtime:xpu",
+        "ascend": "registry.example.com/ml/omnimodel-runtime:cann",
+    }
+)
 
 
 def spec_for(preset: str, vendor: Vendor) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 
 from omnimodel_operator.builders import render
 from omnimodel_operator.resolve import resolve
-from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 from omnimodel_runtime.cli import build_parser
 from omnimodel_runtime.gateway import build_gateway_app
 from omnimodel_runtime.pipeline import Vendor, parse_pipeline
@@ -22,6 +22,14 @@ from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.server import build_stage_app
 
 PRODUCTS = {Vendor.NVIDIA: "H200", Vendor.AMD: "MI300X", Vendor.INTEL: "Max_1550", Vendor.ASCEND: "910B"}
+# Intel and Ascend have no published runtime image: the operator is told one, as a cluster with them must be.
+SETTINGS = OperatorSettings(
+    runtime_images={
+        **DEFAULT_RUNTIME_IMAGES,
+        "intel": "registry.example.com/ml/omnimodel-runtime:xpu",
+        "ascend": "registry.example.com/ml/omnimodel-runtime:cann",
+    }
+)
 
 
 def _manifests(vendor: Vendor) -> list[dict[str, Any]]:
@@ -34,8 +42,8 @@ def _manifests(vendor: Vendor) -> list[dict[str, Any]]:
         "gateway": {"apiKeySecret": "key"},
         "stages": [{"name": "llm", "accelerator": accelerator}],
     }
-    plan = resolve("demo", "ml", spec, OperatorSettings(), uid="u")
-    return render(plan, OperatorSettings())
+    plan = resolve("demo", "ml", spec, SETTINGS, uid="u")
+    return render(plan, SETTINGS)
 
 
 def _containers(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
