@@ -39,6 +39,11 @@ class StartupError(Exception):
     """The operator cannot start; the message says why, on one line."""
 
 
+def _words(err: BaseException) -> str:
+    """An error on one line (a plain-text 404 body ends in a newline, YAML errors span several)."""
+    return " ".join(str(err).split())
+
+
 def _home_kubeconfig() -> Path:
     return Path.home() / ".kube" / "config"
 
@@ -68,7 +73,9 @@ def connection() -> tuple[Connection, str]:
         return load_connection(), source
     except Exception as err:
         # Any failure here is final (a missing file, bad YAML, no current context, a bad CA...).
-        raise StartupError(f"cannot read the cluster config from {source}: {type(err).__name__}: {err}") from err
+        raise StartupError(
+            f"cannot read the cluster config from {source}: {type(err).__name__}: {_words(err)}"
+        ) from err
 
 
 def _scopes(namespaces: Sequence[str]) -> list[str]:
@@ -93,12 +100,16 @@ def _refusal(err: ApiError, conn: Connection, source: str, where: str) -> Startu
     """A ``StartupError`` when ``err`` is final, ``None`` when waiting may help."""
     listing = f"listing {C.PLURAL}.{C.GROUP} {where}"
     if err.status in (401, 403):
-        return StartupError(f"the API server at {conn.server} refused the credentials from {source} ({listing}): {err}")
+        return StartupError(
+            f"the API server at {conn.server} refused the credentials from {source} ({listing}): {_words(err)}"
+        )
     if bad_cert := _certificate_failure(err):
-        return StartupError(f"the API server at {conn.server} failed the TLS check (config from {source}): {bad_cert}")
+        return StartupError(
+            f"the API server at {conn.server} failed the TLS check (config from {source}): {_words(bad_cert)}"
+        )
     if err.transient or err.status == 404:
         return None
-    return StartupError(f"the API server at {conn.server} rejected {listing}: {err}")
+    return StartupError(f"the API server at {conn.server} rejected {listing}: {_words(err)}")
 
 
 @dataclass
@@ -124,7 +135,7 @@ async def _list_omnimodels(
             except ApiError as err:
                 if (refused := _refusal(err, conn, source, waiting.where)) is not None:
                     raise refused from err
-                waiting.last = str(err) + (f" (is the {C.CRD_NAME} CRD installed?)" if err.status == 404 else "")
+                waiting.last = _words(err) + (f" (is the {C.CRD_NAME} CRD installed?)" if err.status == 404 else "")
             if not waiting.warned:  # once: an API server still starting beside the operator is normal
                 logger.warning(f"API server at {conn.server} not ready yet ({waiting.last}); retrying")
                 waiting.warned = True

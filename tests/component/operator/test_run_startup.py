@@ -22,28 +22,32 @@ OPERATOR = Path(sys.executable).parent / "omnimodel-operator"
 EXIT_WITHIN = 30.0
 
 
-class ApiAnswer:
-    """A loopback HTTP server that answers every request with one Kubernetes ``Status``."""
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
+    """A Kubernetes ``Status``, as the API server answers a refused request."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
-    def __init__(self, code: int, reason: str, message: str) -> None:
+
+class ApiAnswer:
+    """A loopback HTTP server that answers every request alike: a ``Status`` (JSON) or plain text."""
+
+    def __init__(self, code: int, answer: dict[str, Any] | str) -> None:
         self.requests: list[str] = []
-        body = json.dumps(
-            {
-                "kind": "Status",
-                "apiVersion": "v1",
-                "status": "Failure",
-                "message": message,
-                "reason": reason,
-                "code": code,
-            }
-        ).encode()
+        plain = isinstance(answer, str)
+        body = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
         requests = self.requests
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 requests.append(self.path)
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain; charset=utf-8" if plain else "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -62,12 +66,15 @@ class ApiAnswer:
         self.thread.join()
 
 
+StartServer = Callable[[int, "dict[str, Any] | str"], ApiAnswer]
+
+
 @pytest.fixture
-def api_server() -> Iterator[Callable[[int, str, str], ApiAnswer]]:
+def api_server() -> Iterator[StartServer]:
     servers: list[ApiAnswer] = []
 
-    def start(code: int, reason: str, message: str) -> ApiAnswer:
-        servers.append(ApiAnswer(code, reason, message))
+    def start(code: int, answer: dict[str, Any] | str) -> ApiAnswer:
+        servers.append(ApiAnswer(code, answer))
         return servers[-1]
 
     yield start
@@ -137,9 +144,9 @@ def test_without_any_cluster_config_it_exits_at_once_naming_where_it_looked(tmp_
     ],
 )
 def test_refused_credentials_exit_at_once_in_the_api_servers_words(
-    tmp_path: Path, api_server: Callable[[int, str, str], ApiAnswer], code: int, reason: str, message: str
+    tmp_path: Path, api_server: StartServer, code: int, reason: str, message: str
 ) -> None:
-    server = api_server(code, reason, message)
+    server = api_server(code, status(code, reason, message))
     config = kubeconfig(tmp_path / "kubeconfig", server.url)
     result, took = run_operator(tmp_path / "home", KUBECONFIG=str(config))
     assert result.returncode != 0, result.stderr
@@ -151,16 +158,28 @@ def test_refused_credentials_exit_at_once_in_the_api_servers_words(
     assert server.requests == ["/apis/omnimodel.io/v1alpha1/omnimodels?labelSelector="]
 
 
+@pytest.mark.parametrize(
+    ("code", "answer", "said"),
+    [
+        (
+            503,
+            status(503, "ServiceUnavailable", "etcd not ready in the test's API server"),
+            "503 ServiceUnavailable: etcd not ready in the test's API server",
+        ),
+        # What a real API server answers for a resource it does not serve yet, newline included.
+        (404, "404 page not found\n", "404 : 404 page not found (is the omnimodels.omnimodel.io CRD installed?)"),
+    ],
+)
 def test_an_api_server_not_ready_is_retried_for_the_startup_timeout_then_named(
-    tmp_path: Path, api_server: Callable[[int, str, str], ApiAnswer]
+    tmp_path: Path, api_server: StartServer, code: int, answer: dict[str, Any] | str, said: str
 ) -> None:
     # A short bound so the test does not wait out the shipped 30 s; the retry path is the same.
-    server = api_server(503, "ServiceUnavailable", "etcd not ready in the test's API server")
+    server = api_server(code, answer)
     config = kubeconfig(tmp_path / "kubeconfig", server.url)
     result, took = run_operator(tmp_path / "home", KUBECONFIG=str(config), OMNIMODEL_API_STARTUP_TIMEOUT="1")
     assert result.returncode != 0, result.stderr
     assert took < EXIT_WITHIN
     (line,) = [line for line in result.stderr.splitlines() if "Cannot start" in line]
     assert "could not list omnimodels.omnimodel.io cluster-wide within 1 s (OMNIMODEL_API_STARTUP_TIMEOUT)" in line
-    assert "503 ServiceUnavailable: etcd not ready in the test's API server" in line
+    assert line.endswith(said)
     assert len(server.requests) >= 2
