@@ -26,7 +26,8 @@ router = APIRouter(dependencies=[Depends(require_key)])
     response_class=Response,
     responses=binary(
         MEDIA_TYPES.values(),
-        "The audio file in `response_format`, or (streamed) raw 16-bit mono PCM; the sample rate is in X-Sample-Rate",
+        "The audio file in `response_format` at the model's rate, or raw 16-bit mono PCM at 24 kHz (`pcm`, and "
+        "every stream); X-Sample-Rate states the rate",
     )
     | errors(*STAGE_ERRORS),
 )

@@ -76,7 +76,7 @@ class SpeechRequest(OpenAIRequestBody):
     # None: wav for a whole response (vLLM-Omni's default; OpenAI's is mp3), pcm for a stream.
     response_format: SpeechFormat | None = None
     speed: Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED)] = 1.0
-    # Stream raw 16-bit little-endian mono PCM as it is synthesised (sample rate in X-Sample-Rate).
+    # Stream raw 16-bit little-endian mono PCM at 24 kHz (as OpenAI's pcm) as it is synthesised.
     stream: bool = False
     # OpenAI's switch: "audio" streams raw audio bytes like ``stream``; "sse" is not served.
     stream_format: Literal["audio", "sse"] | None = None

@@ -43,7 +43,7 @@ from omnimodel_runtime.protocol.openai import (
     UsageInfo,
 )
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageParams, TensorFrame, TextFrame
-from omnimodel_runtime.serving.audio import to_pcm16, wav_bytes
+from omnimodel_runtime.serving.audio import PCM_RATE, Resampler, resample, to_pcm16, wav_bytes
 from omnimodel_runtime.serving.base import aclose
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.sse import event_stream, sse
@@ -161,7 +161,10 @@ class ChatAudioService:
             finally:
                 await aclose(chain)
             waveform = np.concatenate(answer.audio) if answer.audio else np.zeros(0, dtype=np.float32)
-            data = wav_bytes(waveform, answer.sample_rate) if audio_format == "wav" else to_pcm16(waveform)
+            if audio_format == "wav":
+                data = wav_bytes(waveform, answer.sample_rate)
+            else:  # OpenAI's pcm16 is 24 kHz, like the stream's deltas
+                data = to_pcm16(resample(waveform, answer.sample_rate, PCM_RATE))
             text = "".join(answer.text)
             audio = ChatCompletionAudio(
                 id=audio_id,
@@ -218,8 +221,14 @@ class ChatAudioService:
                 )
             )
 
+        def audio_chunk(samples: np.ndarray) -> bytes:
+            data = base64.b64encode(to_pcm16(samples)).decode()
+            return chunk("audio", AudioDeltaMessage(audio=AudioDelta(id=audio_id, data=data)))
+
         async def events() -> AsyncGenerator[bytes, None]:
             answer = _Answer()
+            # Deltas are raw PCM16 at OpenAI's 24 kHz, whatever rate the model speaks at.
+            resampler: Resampler | None = None
             yield chunk("text", AudioDeltaMessage(role="assistant", content=""))
             item: tuple[Stage, ResponseFrame] | None = head.pop(0)
             while item is not None:
@@ -227,9 +236,12 @@ class ChatAudioService:
                 if isinstance(piece, str) and piece:
                     yield chunk("text", AudioDeltaMessage(content=piece))
                 elif isinstance(piece, np.ndarray):
-                    data = base64.b64encode(to_pcm16(piece)).decode()
-                    yield chunk("audio", AudioDeltaMessage(audio=AudioDelta(id=audio_id, data=data)))
+                    resampler = resampler or Resampler(answer.sample_rate, PCM_RATE)
+                    if len(samples := resampler.push(piece)):
+                        yield audio_chunk(samples)
                 item = head.pop(0) if head else await anext(chain, None)
+            if resampler is not None and len(samples := resampler.flush()):
+                yield audio_chunk(samples)
             text = "".join(answer.text)
             yield chunk(
                 "audio",

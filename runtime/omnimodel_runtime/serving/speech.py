@@ -34,7 +34,15 @@ from omnimodel_runtime.protocol.stage import (
     StageRequest,
     TensorFrame,
 )
-from omnimodel_runtime.serving.audio import MEDIA_TYPES, encode_audio, to_pcm16, unsupported_reason
+from omnimodel_runtime.serving.audio import (
+    MEDIA_TYPES,
+    PCM_RATE,
+    Resampler,
+    encode_audio,
+    encoded_rate,
+    to_pcm16,
+    unsupported_reason,
+)
 from omnimodel_runtime.serving.base import Service, aclose
 from omnimodel_runtime.serving.errors import APIError
 
@@ -126,7 +134,8 @@ class SpeechService(Service):
                 encoded = await asyncio.to_thread(encode_audio, waveform, rate, fmt)
             except ValueError as err:
                 raise APIError(str(err), param="response_format") from err
-            return SpeechAudio(media_type=MEDIA_TYPES[fmt], headers={SAMPLE_RATE_HEADER: str(rate)}, body=encoded)
+            headers = {SAMPLE_RATE_HEADER: str(encoded_rate(rate, fmt))}
+            return SpeechAudio(media_type=MEDIA_TYPES[fmt], headers=headers, body=encoded)
 
         try:
             first, rate = await self._first_audio(chain)
@@ -134,18 +143,24 @@ class SpeechService(Service):
             await aclose(chain)
             raise
 
+        # Raw PCM at OpenAI's rate, the same samples as the whole pcm response (Resampler streams exactly).
+        resampler = Resampler(rate, PCM_RATE)
+
         async def body() -> AsyncIterator[bytes]:
             try:
-                yield to_pcm16(first)
+                if len(samples := resampler.push(first)):
+                    yield to_pcm16(samples)
                 async for _, frame in chain:
                     audio = _audio(frame)
-                    if audio is not None and len(audio):
-                        yield to_pcm16(audio)
+                    if audio is not None and len(samples := resampler.push(audio)):
+                        yield to_pcm16(samples)
+                if len(samples := resampler.flush()):
+                    yield to_pcm16(samples)
             finally:
                 with contextlib.suppress(Exception):
                     await aclose(chain)
 
-        headers = {SAMPLE_RATE_HEADER: str(rate), "x-audio-channels": "1", "x-audio-encoding": "s16le"}
+        headers = {SAMPLE_RATE_HEADER: str(PCM_RATE), "x-audio-channels": "1", "x-audio-encoding": "s16le"}
         return SpeechAudio(media_type=MEDIA_TYPES["pcm"], headers=headers, stream=body())
 
     async def _first_audio(self, chain: AsyncIterator[tuple[Stage, ResponseFrame]]) -> tuple[np.ndarray, int]:

@@ -4,6 +4,7 @@ acoustic and vocoder engines behind the ``tts`` preset (the real engines are in 
 from __future__ import annotations
 
 import io
+import math
 import wave
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -29,6 +30,8 @@ from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage
 
 RATE = 8000
+# What OpenAI's clients play raw pcm at (16-bit mono little-endian).
+OPENAI_PCM_RATE = 24000
 HOP = 4
 BINS = 3
 
@@ -143,10 +146,30 @@ async def test_streamed_pcm_has_the_sample_rate_header_and_equals_the_whole_resp
         model="tts", voice="default", input="Hi there", extra_body={"stream": True}
     ) as streamed:
         assert streamed.headers["content-type"] == "audio/pcm"
-        assert streamed.headers["x-sample-rate"] == str(RATE)
+        assert streamed.headers["x-sample-rate"] == str(OPENAI_PCM_RATE)
         body = b"".join([chunk async for chunk in streamed.iter_bytes()])
     assert body == whole.content
-    assert len(body) == 2 * HOP * len(mel_of("Hi there"))
+    assert len(body) == 2 * math.ceil(HOP * len(mel_of("Hi there")) * OPENAI_PCM_RATE / RATE)
+
+
+async def test_pcm_is_openais_24_khz_and_lasts_as_long_as_the_wav(tts: tuple[httpx.AsyncClient, FakeAcoustic]) -> None:
+    """An OpenAI client plays pcm as 24 kHz 16-bit mono: read so, it lasts as long as the wav of the same
+    audio (whose header states the model's rate) and follows the same waveform."""
+    client = openai_client(tts[0])
+    text = "A sentence of some length"
+    wav = await client.audio.speech.create(model="tts", voice="default", input=text, response_format="wav")
+    pcm_response = await client.audio.speech.create(model="tts", voice="default", input=text, response_format="pcm")
+    with wave.open(io.BytesIO(wav.content)) as file:
+        wav_rate = file.getframerate()
+        wav_samples = np.frombuffer(file.readframes(file.getnframes()), "<i2").astype(np.float64)
+    pcm_samples = np.frombuffer(pcm_response.content, "<i2").astype(np.float64)
+    assert wav_rate == RATE != OPENAI_PCM_RATE
+    assert abs(len(pcm_samples) / OPENAI_PCM_RATE - len(wav_samples) / wav_rate) <= 1 / OPENAI_PCM_RATE
+    assert pcm_response.response.headers["x-sample-rate"] == str(OPENAI_PCM_RATE)
+    # The same waveform: the pcm read at 24 kHz, taken at the wav's sample times, is the wav.
+    pcm_times = np.arange(len(pcm_samples)) / OPENAI_PCM_RATE
+    at_wav_times = np.interp(np.arange(len(wav_samples)) / wav_rate, pcm_times, pcm_samples)
+    assert np.corrcoef(at_wav_times, wav_samples)[0, 1] > 0.99
 
 
 async def test_stream_format_audio_streams_like_stream_true(tts: tuple[httpx.AsyncClient, FakeAcoustic]) -> None:
@@ -236,13 +259,14 @@ async def test_a_failure_after_the_first_bytes_cuts_the_stream_short() -> None:
         url = await serve_on_loopback(app, stack)
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             await read(http, "A whole utterance")
-            # Streamed as produced: one HTTP chunk per vocoded mel chunk, not one body at the end.
-            assert len(received) == len(range(0, len(mel_of("A whole utterance")), 8))
+            # Streamed as produced: one HTTP chunk per vocoded mel chunk (then the resampler's last few
+            # samples), not one body at the end.
+            assert len(received) == len(range(0, len(mel_of("A whole utterance")), 8)) + 1
             received.clear()
             # A raw PCM body has no room for an error envelope: the client sees an incomplete body.
             with pytest.raises(httpx.RemoteProtocolError):
                 await read(http, "FAIL_AFTER the first chunk")
-    assert 0 < len(b"".join(received)) < 2 * HOP * len(mel_of("FAIL_AFTER the first chunk"))
+    assert 0 < len(b"".join(received)) < 2 * HOP * len(mel_of("FAIL_AFTER the first chunk")) * OPENAI_PCM_RATE // RATE
 
 
 async def test_speech_routes_exist_only_where_the_pipeline_serves_speech(

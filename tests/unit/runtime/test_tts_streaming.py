@@ -25,7 +25,7 @@ from omnimodel_runtime.engines.tts.common import (
     stage_dir,
 )
 from omnimodel_runtime.errors import RuntimeSetupError
-from omnimodel_runtime.serving.audio import encode_audio, to_pcm16, unsupported_reason
+from omnimodel_runtime.serving.audio import Resampler, encode_audio, resample, to_pcm16, unsupported_reason
 
 # microsoft/speecht5_hifigan's configuration.
 RELEASED_HIFIGAN = {
@@ -161,11 +161,35 @@ def test_stage_dir_prefers_the_stage_subdirectory_then_the_model_root(tmp_path: 
 WAVE = (0.5 * np.sin(np.arange(8000) / 7)).astype(np.float32)
 
 
-def test_wav_and_pcm_carry_the_same_16_bit_samples() -> None:
+def test_wav_keeps_the_models_rate_and_pcm_is_the_same_audio_at_24_khz() -> None:
     with wave.open(io.BytesIO(encode_audio(WAVE, 16000, "wav"))) as wav:
         assert wav.getframerate() == 16000
         frames = wav.readframes(wav.getnframes())
-    assert frames == encode_audio(WAVE, 16000, "pcm") == to_pcm16(WAVE)
+    assert frames == to_pcm16(WAVE)
+    assert encode_audio(WAVE, 16000, "pcm") == to_pcm16(resample(WAVE, 16000, 24000))
+    assert len(encode_audio(WAVE, 16000, "pcm")) == 2 * len(WAVE) * 3 // 2
+    # A model that speaks at 24 kHz (Qwen-Omni) gets its own samples.
+    assert encode_audio(WAVE, 24000, "pcm") == to_pcm16(WAVE)
+
+
+@pytest.mark.parametrize("source", [8000, 16000, 22050, 44100, 48000])
+def test_resampling_keeps_a_tone_and_the_duration(source: int) -> None:
+    seconds = np.arange(source) / source
+    tone = (0.5 * np.sin(2 * np.pi * 440 * seconds)).astype(np.float32)
+    out = resample(tone, source, 24000)
+    assert len(out) == 24000
+    expected = 0.5 * np.sin(2 * np.pi * 440 * np.arange(24000) / 24000)
+    # Away from the edges (where the filter sees the silence around the input), within -80 dB of the tone.
+    assert np.abs(out[100:-100] - expected[100:-100]).max() < 1e-4
+
+
+@settings(max_examples=30, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=20))
+def test_a_resampled_stream_equals_the_whole_bit_for_bit(cuts: list[int]) -> None:
+    resampler = Resampler(16000, 24000)
+    pieces = [resampler.push(WAVE[start:end]) for start, end in _split(len(WAVE), cuts)]
+    pieces.append(resampler.flush())
+    np.testing.assert_array_equal(np.concatenate(pieces), resample(WAVE, 16000, 24000))
 
 
 @pytest.mark.parametrize(("fmt", "magic"), [("flac", b"fLaC"), ("mp3", None), ("opus", b"OggS")])
