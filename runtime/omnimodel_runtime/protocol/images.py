@@ -1,10 +1,10 @@
 """Text-to-image on the wire: the OpenAI images API, chat answered with images, and the stage parameters.
 
 ``POST /v1/images/generations`` follows OpenAI's images API plus the extensions vLLM-Omni serves
-(``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``seed``). Chat
-completions on an image pipeline answer with the images as ``image_url`` data-URL parts of
-``message.content`` (vLLM-Omni's behaviour). Every field the runtime acts on is validated here, so a bad
-value is a 400 naming the field before any stage sees the request.
+(``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``seed``, and the
+size as ``height`` and ``width``). Chat completions on an image pipeline answer with the images as
+``image_url`` data-URL parts of ``message.content`` (vLLM-Omni's behaviour). Every field the runtime acts
+on is validated here, so a bad value is a 400 naming the field before any stage sees the request.
 
 :class:`TextToImageParams` is what travels in ``StageRequest.params.image`` to the encode, denoise and
 decode stages (or the one whole-pipeline stage); a stage server validates it again when it decodes a
@@ -153,25 +153,52 @@ class ImageEditParams(BaseModel):
 
 
 class _ImageFields(OpenAIRequestBody):
-    """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions)."""
+    """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions), and the
+    size: OpenAI's ``size``, or ``height`` and ``width`` (vLLM-Omni's names, as on image chat and
+    ``/v1/videos``); both ways at once must agree. The model's size rule (Qwen-Image: multiples of 16) is
+    the stage's to check."""
 
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    seed: Seed | None = None
     negative_prompt: Text | None = None
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
+    size: str | None = None
+    height: Side | None = None
+    # Validated even when absent: the check that width and height come together lives on it.
+    width: Annotated[Side | None, Field(validate_default=True)] = None
+
+    _size = field_validator("size")(_check_size)
+
+    @field_validator("width")
+    @classmethod
+    def _one_size(cls, width: int | None, info: ValidationInfo) -> int | None:
+        height, size = info.data.get("height"), info.data.get("size")
+        if (width is None) != (height is None):
+            raise PydanticCustomError("image_size", "width and height must be given together")
+        if size is not None and width is not None and _dimensions(size) != (width, height):
+            raise PydanticCustomError("image_size", "disagrees with size; send size, or width and height")
+        return width
+
+    def dimensions(self) -> tuple[int | None, int | None]:
+        if self.width is not None:
+            return self.width, self.height
+        return _dimensions(self.size)
+
+    def params(self) -> TextToImageParams:
+        return _stage_params(self, *self.dimensions())
 
 
 class ImageGenerationRequest(_ImageFields):
-    """``POST /v1/images/generations``."""
+    """``POST /v1/images/generations``. OpenAI's API sizes images with ``size`` only; ``height`` and
+    ``width`` are honoured too (a vLLM-Omni client sends them, as on its image chat), not ignored."""
 
     prompt: Text
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
-    size: str | None = None
     # Images are returned inline; there is no file store to serve ``url`` responses from.
     response_format: Literal["b64_json"] | None = None
     output_format: Literal["png"] | None = None
-    seed: Seed | None = None
     user: str | None = None
     # OpenAI's image streaming: ``image_generation.completed`` events (serving.images). No partial images
     # are sent, which OpenAI's contract allows ("the final image may be sent before the full number of
@@ -199,10 +226,6 @@ class ImageGenerationRequest(_ImageFields):
         return value
 
     _prompt = field_validator("prompt")(_non_blank)
-    _size = field_validator("size")(_check_size)
-
-    def params(self) -> TextToImageParams:
-        return _stage_params(self, *_dimensions(self.size))
 
 
 # ---------------------------------------------------------------- POST /v1/images/edits
@@ -303,27 +326,9 @@ class ImageChatCompletionRequest(_ImageFields):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     model: str | None = None
     stream: bool = False
-    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
     # vLLM-Omni's name for ``n`` on image chat (its example clients always send it).
     num_outputs_per_prompt: Annotated[int, Field(ge=1, le=MAX_IMAGES)] | None = None
-    seed: Seed | None = None
     modalities: list[Literal["text", "image"]] | None = None
-    size: str | None = None
-    height: Side | None = None
-    # Validated even when absent: the check that width and height come together lives on it.
-    width: Annotated[Side | None, Field(validate_default=True)] = None
-
-    _size = field_validator("size")(_check_size)
-
-    @field_validator("width")
-    @classmethod
-    def _one_size(cls, width: int | None, info: ValidationInfo) -> int | None:
-        height, size = info.data.get("height"), info.data.get("size")
-        if (width is None) != (height is None):
-            raise PydanticCustomError("image_size", "width and height must be given together")
-        if size is not None and width is not None and _dimensions(size) != (width, height):
-            raise PydanticCustomError("image_size", "disagrees with size; send size, or width and height")
-        return width
 
     @model_validator(mode="after")
     def _one_count(self) -> Self:
@@ -338,18 +343,8 @@ class ImageChatCompletionRequest(_ImageFields):
             self.n = count
         return self
 
-    def dimensions(self) -> tuple[int | None, int | None]:
-        if self.width is not None:
-            return self.width, self.height
-        return _dimensions(self.size)
 
-    def params(self) -> TextToImageParams:
-        return _stage_params(self, *self.dimensions())
-
-
-def _stage_params(
-    req: ImageGenerationRequest | ImageEditRequest | ImageChatCompletionRequest, width: int | None, height: int | None
-) -> TextToImageParams:
+def _stage_params(req: _ImageFields | ImageEditRequest, width: int | None, height: int | None) -> TextToImageParams:
     """What the stages get of any of the three requests."""
     return TextToImageParams(
         n=req.n,

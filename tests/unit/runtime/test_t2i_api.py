@@ -146,6 +146,24 @@ async def test_openai_client_gets_one_png_per_image_of_the_requested_size(
         )
 
 
+async def test_height_and_width_size_the_images_as_size_does(client: openai.AsyncOpenAI) -> None:
+    """OpenAI's API has only ``size``; vLLM-Omni's clients also send ``height`` and ``width`` (as on image
+    chat), which are honoured rather than silently ignored."""
+    result = await client.images.generate(model=MODEL, prompt="a red cat", extra_body={"height": 32, "width": 48})
+    assert result.data is not None
+    assert _png(result.data[0].b64_json or "").size == (48, 32)
+    assert result.size == "48x32"
+    # Sent with size, they must agree with it.
+    same = await client.images.generate(
+        model=MODEL,
+        prompt="a red cat",
+        size="48x32",  # type: ignore[arg-type]
+        extra_body={"height": 32, "width": 48},
+    )
+    assert same.data is not None
+    assert _png(same.data[0].b64_json or "").size == (48, 32)
+
+
 async def test_a_fixed_seed_repeats_and_another_seed_differs(client: openai.AsyncOpenAI) -> None:
     async def first_pixel(seed: int) -> int:
         result = await client.images.generate(model=MODEL, prompt="x", size="16x16", extra_body={"seed": seed})  # type: ignore[arg-type]
@@ -179,6 +197,11 @@ async def test_a_fixed_seed_repeats_and_another_seed_differs(client: openai.Asyn
         ({"style": "vivid"}, "style"),
         ({"background": "transparent"}, "background"),
         ({"output_compression": 50}, "output_compression"),
+        ({"height": 32}, "width"),
+        ({"width": 32}, "width"),
+        ({"height": 0, "width": 16}, "height"),
+        ({"height": 16, "width": 8192}, "width"),
+        ({"size": "48x32", "height": 48, "width": 32}, "width"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field_and_no_stage_runs(
