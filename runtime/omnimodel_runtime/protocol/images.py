@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from omnimodel_runtime.protocol.openai import (
-    ChatMessageParam,
+    Messages,
     OpenAIBaseModel,
     OpenAIRequestBody,
     Text,
@@ -323,7 +323,7 @@ class ImageChatCompletionRequest(_ImageFields):
     fields (temperature, max_tokens, ...) mean nothing to a diffusion model and are ignored.
     """
 
-    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    messages: Messages
     model: str | None = None
     stream: bool = False
     # vLLM-Omni's name for ``n`` on image chat (its example clients always send it).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -211,6 +212,40 @@ async def test_oversized_body_is_413_before_parsing() -> None:
         resp = await http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
         assert resp.status_code == 413
         assert serve.engine.requests == []
+
+
+async def test_more_messages_than_openais_2048_are_refused_before_any_stage_work(
+    http: httpx.AsyncClient, client: openai.AsyncOpenAI, fake_serve: FakeServe
+) -> None:
+    # Posted as JSON: the openai client itself takes some 17 s to build a request of 100 000 messages.
+    resp = await http.post("/v1/chat/completions", json={"model": "text", "messages": USER * 100_000})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "messages")
+    assert "at most 2048 items" in error["message"]
+    assert fake_serve.engine.requests == []
+    reply = await client.chat.completions.create(model="text", messages=USER * 2048, max_tokens=2)
+    assert reply.choices[0].message.content
+
+
+async def test_a_prompt_over_a_mebicharacter_is_refused_naming_the_limit(
+    client: openai.AsyncOpenAI, fake_serve: FakeServe
+) -> None:
+    limit = 2**20
+    # However the messages hold the text: string contents and text parts alike.
+    parts = [{"type": "text", "text": "y" * (limit // 2)}, {"type": "text", "text": "z"}]
+    messages: Any = [{"role": "system", "content": "x" * (limit // 2)}, {"role": "user", "content": parts}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="text", messages=messages, max_tokens=2)
+    assert err.value.param == "messages"
+    assert f"holds {limit + 1} characters of text; this server takes at most {limit}" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="text", prompt="p" * (limit + 1), max_tokens=2)
+    assert err.value.param == "prompt"
+    assert f"at most {limit}" in err.value.message
+    assert fake_serve.engine.requests == []
+    await client.chat.completions.create(model="text", messages=[messages[0], *USER], max_tokens=2)
+    await client.completions.create(model="text", prompt="p" * limit, max_tokens=2)
 
 
 async def test_unknown_route_and_method_get_envelopes(http: httpx.AsyncClient) -> None:

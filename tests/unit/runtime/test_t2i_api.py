@@ -267,6 +267,8 @@ async def test_chat_answers_with_image_url_data_urls(client: openai.AsyncOpenAI,
         ({"size": "32"}, "size"),
         ({"n": 11}, "n"),
         ({"messages": [{"role": "user", "content": " "}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "a cat"}] * 2049}, "messages"),
+        ({"messages": [{"role": "user", "content": "a cat " * 180_000}]}, "messages"),
     ],
 )
 async def test_chat_refuses_what_an_image_answer_cannot_do(
