@@ -20,6 +20,7 @@ from omnimodel_testbed.kubeapi import KubeAPI
 from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.operator_pod import image_store, service_env
 from omnimodel_testbed.pytest_plugin import ClusterHandle
+from omnimodel_testbed.registry import RegistryImages
 from omnimodel_testbed.volumes import claim_volume
 
 REPO = Path(__file__).parents[1]
@@ -29,11 +30,15 @@ CRD = REPO / "crds" / "omnimodel.io_omnimodels.yaml"
 def install_crd(cluster: ClusterHandle) -> None:
     """Apply the committed CRD and wait until the API server serves it."""
     cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    wait = cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/omnimodels.omnimodel.io", "--timeout=60s", check=False
-    )
-    # kubectl's own words: this has failed at once now and then, and a bare exit status says nothing.
-    assert wait.returncode == 0, f"kubectl wait for the CRD exited {wait.returncode}: {wait.stderr.strip()}"
+
+    # Polled rather than `kubectl wait`, which fails at once while the new CRD has no status yet
+    # (".status.conditions accessor error: <nil>"), as it did now and then.
+    def established() -> bool:
+        crd = json.loads(cluster.kubectl("get", "crd/omnimodels.omnimodel.io", "-o", "json").stdout)
+        conditions = (crd.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for(established, 60, what="the OmniModel CRD Established")
 
 
 def cpu_pod_runner(api: KubeAPI, namespace: str, workdir: Path, *, state: ClusterState | None) -> PodRunner:
@@ -139,6 +144,10 @@ class Operator:
             "OMNIMODEL_METRICS_PORT": str(self.metrics_port),
             **self.extra_env,
         }
+        if self.cluster.state is not None and "OMNIMODEL_RUNTIME_IMAGES" not in env:
+            # What the chart sets in the test bed: every vendor's stage image is the CPU one of the test bed's
+            # registry (the fake nodes have no devices; Ascend and Intel have no image of their own).
+            env["OMNIMODEL_RUNTIME_IMAGES"] = json.dumps(RegistryImages.of(self.cluster.state).runtime_images())
         with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
             self.proc = subprocess.Popen(
                 [

@@ -460,6 +460,7 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
     from omnimodel_operator.kube import HttpKube, load_connection
     from omnimodel_operator.reconcile import reconcile
     from omnimodel_operator.settings import OperatorSettings
+    from omnimodel_testbed.registry import RegistryImages
 
     for name in ("qwen-omni.yaml", "text-to-image.yaml", "tts.yaml", "custom-graph.yaml"):
         kube.apply(doc := example(name))
@@ -468,6 +469,9 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
         kube.wait_ready(name)
     client = HttpKube(load_connection(str(kube.cluster.kubeconfig)))
     counting = CountingKube(client)
+    # The running operator's settings: the test bed's images for every vendor (support.Operator).
+    assert kube.cluster.state is not None
+    settings = OperatorSettings(runtime_images=RegistryImages.of(kube.cluster.state).runtime_images())
     try:
         for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
             body = await client.get("omnimodel.io/v1alpha1", "OmniModel", kube.ns, name)
@@ -480,7 +484,7 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
                 for row in (body.get("status") or {}).get("stages") or []
                 if (row.get("autoscaler") or {}).get("kind") == "OmniModelAutoscaler"
             }
-            outcome = await reconcile(counting, body, observed, OperatorSettings(), autoscalers=autoscalers)
+            outcome = await reconcile(counting, body, observed, settings, autoscalers=autoscalers)
             assert outcome.applied == [], name
     finally:
         await client.aclose()

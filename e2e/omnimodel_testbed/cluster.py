@@ -73,6 +73,19 @@ _OWNED = (
 _COMPONENT_ORDER = ("etcd", "registry", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 
+#: The ``kubernetes`` Service's port, where in-cluster clients look for the API server.
+KUBERNETES_SERVICE_PORT = 443
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class ClusterError(RuntimeError):
     """The cluster could not be started or is not in the expected state."""
 
@@ -346,6 +359,11 @@ class Cluster:
         logs.mkdir(parents=True)
         pki = generate_pki(self.state_dir / "pki", service_ip=SERVICE_IP)
         etcd_client, etcd_peer, api_port, kcm_port, sched_port, kwok_port, registry_port = procs.free_ports(7)
+        if self.pod_cidr != POD_CIDR and _port_free(KUBERNETES_SERVICE_PORT):
+            # In the test bed's network namespace pods reach the API server as kubernetes.default.svc:443 (the
+            # cluster DNS answers the API server's address for it), as kube-proxy routes the kubernetes
+            # Service on a node: kopf's in-cluster login names that URL and nothing else.
+            api_port = KUBERNETES_SERVICE_PORT
         ports = {
             "etcd": etcd_client,
             "etcd-peer": etcd_peer,

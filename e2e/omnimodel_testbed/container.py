@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["ContainerMount", "container_argv"]
+__all__ = ["ContainerMount", "container_argv", "resolve_in_root"]
 
 # $1 lower (the unpacked image), $2 upper, $3 overlay work dir, $4 merged (the container's root), $5 /dev/shm
 # size, $6 hostname, $7 read-only root (1 or 0), $8 how many mounts follow, each as (source, target inside
@@ -105,6 +105,33 @@ class ContainerMount:
     read_only: bool = False
 
 
+def resolve_in_root(root: Path, path: str) -> str:
+    """``path`` inside the container with the image's symlinks followed as if ``root`` were ``/`` (what
+    runc's securejoin does): a mount at /var/run/secrets in an image where /var/run -> /run must land on
+    the image's /run, never on this machine's. Components that do not exist yet are kept as given."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    resolved: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = root.joinpath(*resolved, part)
+        if candidate.is_symlink():
+            hops += 1
+            if hops > 40:
+                raise RuntimeError(f"too many symlinks resolving {path} in the image")
+            link = os.readlink(candidate)
+            if link.startswith("/"):
+                resolved = []
+            parts = [p for p in link.split("/") if p not in ("", ".")] + parts
+            continue
+        resolved.append(part)
+    return "/" + "/".join(resolved)
+
+
 def _tool(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
     if path is None:
@@ -134,7 +161,11 @@ def container_argv(
     # the image or a volume lets it.
     if os.geteuid() != 0:
         raise RuntimeError("containers need root (uids other than 0 exist only without a user namespace)")
-    mount_args = [arg for m in mounts for arg in (str(m.source), m.target, "1" if m.read_only else "0")]
+    mount_args = [
+        arg
+        for m in mounts
+        for arg in (str(m.source), resolve_in_root(image_root, m.target), "1" if m.read_only else "0")
+    ]
     unshare = _tool("unshare")
     return [
         unshare, "--mount", "--uts", "--propagation", "private", "--",

@@ -59,7 +59,7 @@ from .kubelet import PodProcess, PodRunner
 from .netns import CLUSTER_DNS, NETNS_POD_CIDR, netns_argv, run_passing_signals
 from .operator_pod import RELEASE, RELEASE_NAMESPACE, OperatorPod, image_store, service_env
 from .progress import Reporter, StepError
-from .registry import TestbedImages
+from .registry import RegistryImages
 from .vllm_omni import ensure_env as ensure_vllm_omni_env
 
 __all__ = ["DEMO_MODELS", "STEPS", "enter", "processes_in_netns", "run"]
@@ -546,7 +546,7 @@ class _Inside:
         )
         self.operator = operator
         self.teardown.callback(self._stop_operator, operator)
-        images = TestbedImages.of(self.state)
+        images = RegistryImages.of(self.state)
         self.reporter.say(
             f"images: `make images` pushed them to the test bed's registry at 127.0.0.1:{images.port}; the chart\n"
             f"  names them through its values: {' '.join(images.chart_values()[:2])} (every vendor's stage image is\n"

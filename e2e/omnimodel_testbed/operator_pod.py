@@ -2,7 +2,7 @@
 
 A pod runner serves the release namespace before the chart is installed, so the Deployment's pod is
 played by the test bed's kubelet: its image pulled from the test bed's registry (the chart names it
-through its own values, ``TestbedImages.chart_values``), run as the image's uid 1000 with the chart's
+through its own values, ``RegistryImages.chart_values``), run as the image's uid 1000 with the chart's
 read-only root filesystem, authenticated by the projected ServiceAccount token the API server's
 admission mounted into it, and reaching the API server through the ``KUBERNETES_SERVICE_*`` variables the
 kubelet sets (kube-proxy's ClusterIP routing is not emulated: they name the API server's own address).
@@ -22,7 +22,7 @@ from .cluster import ClusterState
 from .images import ImageStore
 from .kubeapi import KubeAPI, http_get
 from .kubelet import PodProcess, PodRunner
-from .registry import TestbedImages
+from .registry import RegistryImages
 
 __all__ = ["RELEASE", "RELEASE_NAMESPACE", "OperatorPod", "image_store", "service_env"]
 
@@ -64,7 +64,7 @@ class OperatorPod:
     ) -> None:
         self.state = state
         self.api = api
-        self.images = TestbedImages.of(state)
+        self.images = RegistryImages.of(state)
         self.values = [*self.images.chart_values(), *values]
         self.workdir = workdir
         self.runner = PodRunner(

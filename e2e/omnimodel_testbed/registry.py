@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NAMESPACE",
     "REGISTRY_ENV",
-    "TestbedImages",
+    "RegistryImages",
     "manifest_digests",
     "push_images",
     "registry_config",
@@ -108,7 +108,7 @@ def running_registry(workdir: Path) -> Iterator[int]:
 
 
 @dataclass(frozen=True)
-class TestbedImages:
+class RegistryImages:
     """The references of our images in a test-bed registry at ``127.0.0.1:<port>``."""
 
     port: int
@@ -144,7 +144,7 @@ class TestbedImages:
         return flags
 
     @classmethod
-    def of(cls, state: ClusterState) -> TestbedImages:
+    def of(cls, state: ClusterState) -> RegistryImages:
         """The images in ``state``'s cluster's registry, at the version this checkout builds."""
         from omnimodel_operator import __version__
 

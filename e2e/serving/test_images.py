@@ -16,7 +16,7 @@ import openai
 from omnimodel_testbed.kubelet import PodRunner
 from omnimodel_testbed.operator_pod import RELEASE_NAMESPACE, OperatorPod
 from omnimodel_testbed.pytest_plugin import ClusterHandle
-from omnimodel_testbed.registry import TestbedImages
+from omnimodel_testbed.registry import RegistryImages
 from support import Kube, example, healthy, wait_for
 
 
@@ -47,7 +47,7 @@ def test_every_pod_and_the_operator_run_their_images_as_uid_1000(
     cluster: ClusterHandle, kube: Kube, pods: PodRunner, operator: OperatorPod
 ) -> None:
     assert cluster.state is not None
-    images = TestbedImages.of(cluster.state)
+    images = RegistryImages.of(cluster.state)
     kube.apply(example("text-tiny.yaml"))
     kube.wait_ready("text-tiny", timeout=300)
     base = f"http://text-tiny-gateway.{kube.ns}.svc:8000"
@@ -76,7 +76,7 @@ def test_every_pod_and_the_operator_run_their_images_as_uid_1000(
         assert process is not None
         root = os.readlink(f"/proc/{process.proc.pid}/root")
         assert root != "/", f"{process.name} runs with the host's root filesystem as its root"
-        assert Path(f"/proc/{process.proc.pid}/root/opt/omnimodel/bin/python").exists(), process.name
+        assert Path(f"/proc/{process.proc.pid}/root/opt/omnimodel/bin/omnimodel-operator").is_file(), process.name
         assert _uids(process.proc.pid) == (1000, 1000), f"{process.name} is not the image's user 1000"
 
 
@@ -119,7 +119,7 @@ def _probe_pod(name: str, image: str, *, read_only: bool) -> dict[str, Any]:
 
 def test_uid_1000_and_a_read_only_root_filesystem(cluster: ClusterHandle, kube: Kube, pods: PodRunner) -> None:
     assert cluster.state is not None
-    image = TestbedImages.of(cluster.state).runtime("cpu")
+    image = RegistryImages.of(cluster.state).runtime("cpu")
     kube.apply(_probe_pod("ro", image, read_only=True))
     kube.apply(_probe_pod("rw", image, read_only=False))
 
@@ -150,7 +150,7 @@ def test_a_missing_image_makes_the_omnimodel_not_ready_naming_it(
 ) -> None:
     """The kubelet (the pod runner) fails the pull; the operator's status says so with its words."""
     assert cluster.state is not None
-    missing = f"{TestbedImages.of(cluster.state).prefix}/omnimodel-runtime:does-not-exist"
+    missing = f"{RegistryImages.of(cluster.state).prefix}/omnimodel-runtime:does-not-exist"
     doc = example("text-tiny.yaml")
     doc["spec"]["runtime"] = {"image": missing}
     kube.apply(doc)
