@@ -57,7 +57,10 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
-    "text-to-video": TinyBuilder(module="omnimodel_runtime.tiny.text_to_video", function="build", extra="diffusers"),
+    # v2: rope_max_seq_len 1024 (v1's 32 failed at the default and every OpenAI size).
+    "text-to-video": TinyBuilder(
+        module="omnimodel_runtime.tiny.text_to_video", function="build", extra="diffusers", version=2
+    ),
 }
 
 

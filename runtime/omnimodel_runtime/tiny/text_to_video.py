@@ -61,7 +61,8 @@ TRANSFORMER: Final[dict[str, Any]] = {
     "num_layers": 2,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
-    "rope_max_seq_len": 32,
+    # Wan2.2's own (diffusers' tests use 32, which fits no default or OpenAI size: 832 pixels are 52 patches).
+    "rope_max_seq_len": 1024,
 }
 VAE: Final[dict[str, Any]] = {
     "base_dim": 3,

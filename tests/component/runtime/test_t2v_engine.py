@@ -28,7 +28,7 @@ from runtime_procs import torch_threads
 
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.t2v.diffusers import KEEPALIVE, DiffusersVideoEngine
+from omnimodel_runtime.engines.t2v.diffusers import KEEPALIVE, DiffusersVideoEngine, VideoDefaults, resolve
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import ModelSource, get_preset
 from omnimodel_runtime.protocol.stage import (
@@ -174,6 +174,42 @@ async def test_what_the_model_cannot_make_is_a_400_before_any_work(
         await anext(engine.generate(request("  ")))
     assert (err.value.status, err.value.param) == (400, "prompt")
     assert engine.queue_depth() == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (TextToVideoParams(width=528, height=32), "size"),
+        (TextToVideoParams(width=32, height=528), "size"),
+        (TextToVideoParams(num_frames=129), "num_frames"),
+        (TextToVideoParams(seconds=8.0), "seconds"),
+    ],
+)
+async def test_a_video_beyond_the_rotary_embeddings_positions_is_a_400(params: TextToVideoParams, param: str) -> None:
+    # A checkpoint whose rotary embedding covers 32 positions an axis (diffusers' test transformer): 32
+    # patches of 16 pixels a side, 32 latent frames of 4.
+    small = VideoDefaults(
+        width=32,
+        height=32,
+        num_frames=81,
+        steps=2,
+        guidance_scale=5.0,
+        fps=16,
+        multiple=16,
+        temporal=4,
+        max_side=512,
+        max_frames=125,
+        two_experts=False,
+    )
+    with pytest.raises(StageError) as err:
+        resolve(params, small)
+    assert (err.value.status, err.value.param) == (400, param)
+    resolve(TextToVideoParams(width=512, height=512, num_frames=125), small)
+
+
+async def test_the_loaded_model_states_what_its_rotary_embedding_covers(engine: DiffusersVideoEngine) -> None:
+    # Wan2.2's rope_max_seq_len, 1024 positions an axis: OpenAI's largest size, 1792 pixels, is 112 patches.
+    assert (engine.defaults.max_side, engine.defaults.max_frames) == (1024 * 16, (1024 - 1) * 4 + 1)
 
 
 async def test_a_caller_that_leaves_stops_the_denoise_loop(engine: DiffusersVideoEngine) -> None:

@@ -12,6 +12,7 @@ stage abandons it; the other jobs take a fraction of a second.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import av
 import openai
 import pytest
 from openai.types import Video
-from runtime_procs import RuntimeProcess, free_port, openai_client, running, runtime_env
+from runtime_procs import RuntimeProcess, free_port, openai_client, running, runtime_env, served_in_process
 
 from omnimodel_runtime.serve import serve_pipeline
 
@@ -107,6 +108,28 @@ def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, 
         with pytest.raises(openai.NotFoundError):
             client.videos.retrieve(created.id)
         assert [v.id for v in client.videos.list().data] == [after.id, slow.id]
+
+
+async def test_a_video_of_the_default_size_is_made(model_cache: Path, tiny_t2v: Path) -> None:
+    """A request without a size gets WanPipeline's default, 832x480 (in process, the same serve app). The
+    tiny model made no video at it, nor at any of OpenAI's sizes (each a failed job, a 500), while its
+    rotary embedding had positions for 32 patches a side: 832 pixels are 52."""
+    async with served_in_process(serve_pipeline(MODEL, f"tiny://{MODEL}", device="cpu"), model_cache) as served:
+        client = served.openai
+        created = await client.videos.create(
+            model=MODEL, prompt="a paper boat", extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 1}
+        )
+        assert created.size == "832x480"
+        deadline = time.monotonic() + 120
+        while (done := await client.videos.retrieve(created.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, f"still {done.status}"
+            await asyncio.sleep(0.1)
+        assert (done.status, done.error) == ("completed", None)
+        mp4 = (await client.videos.download_content(created.id)).content
+    with av.open(io.BytesIO(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5
+    assert {f.shape for f in frames} == {(480, 832, 3)}
 
 
 def test_the_shipped_keepalive_is_well_inside_the_shipped_stage_read_timeout() -> None:

@@ -77,6 +77,10 @@ class VideoDefaults:
     multiple: int
     # Frame counts are ``temporal * k + 1`` (the VAE's temporal compression keeps the first frame alone).
     temporal: int
+    # The largest side and frame count whose patches the transformer's rotary embedding has positions for
+    # (``rope_max_seq_len`` along each axis): a larger video fails inside the forward pass.
+    max_side: int
+    max_frames: int
     # Wan2.2's high- and low-noise experts: only then does guidance_scale_2 mean anything.
     two_experts: bool
 
@@ -111,6 +115,12 @@ def resolve(params: TextToVideoParams, defaults: VideoDefaults) -> Resolved:
             status=400,
             param="size",
         )
+    if max(width, height) > defaults.max_side:
+        raise StageError(
+            f"size: {width}x{height} is larger than this model makes: at most {defaults.max_side} pixels a side",
+            status=400,
+            param="size",
+        )
     if params.guidance_scale_2 is not None and not defaults.two_experts:
         raise StageError(
             "guidance_scale_2: this model has one transformer; guidance_scale_2 sets the low-noise expert's "
@@ -134,6 +144,13 @@ def resolve(params: TextToVideoParams, defaults: VideoDefaults) -> Resolved:
         frames = max(1, round(params.seconds * fps / t) * t + 1)
     else:
         frames = defaults.num_frames
+    if frames > defaults.max_frames:
+        param = "seconds" if params.seconds is not None else "num_frames"
+        raise StageError(
+            f"{param}: {frames} frames are more than this model makes (at most {defaults.max_frames})",
+            status=400,
+            param=param,
+        )
     return Resolved(
         width=width,
         height=height,
@@ -236,6 +253,9 @@ class DiffusersVideoEngine(WorkerEngine[_Job]):
         self._pipe = pipe
         call = inspect.signature(WanPipeline.__call__).parameters
         transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+        multiple = int(pipe.vae_scale_factor_spatial * transformer.config.patch_size[1])
+        temporal = int(pipe.vae_scale_factor_temporal)
+        positions = int(transformer.config.rope_max_seq_len)
         self._defaults = VideoDefaults(
             width=int(call["width"].default),
             height=int(call["height"].default),
@@ -243,8 +263,11 @@ class DiffusersVideoEngine(WorkerEngine[_Job]):
             steps=int(call["num_inference_steps"].default),
             guidance_scale=float(call["guidance_scale"].default),
             fps=self._fps,
-            multiple=int(pipe.vae_scale_factor_spatial * transformer.config.patch_size[1]),
-            temporal=int(pipe.vae_scale_factor_temporal),
+            multiple=multiple,
+            temporal=temporal,
+            max_side=positions * multiple,
+            # Latent frames are (frames - 1) / temporal + 1, cut into patches of patch_size[0] frames.
+            max_frames=(positions * int(transformer.config.patch_size[0]) - 1) * temporal + 1,
             two_experts=pipe.transformer_2 is not None and pipe.config.boundary_ratio is not None,
         )
         log.info(
