@@ -41,6 +41,7 @@ chart-lint: cluster-build ## helm lint --strict the chart
 # IMAGES picks which (operator, cpu, cuda, rocm); cuda and rocm need their vendors' base images.
 IMAGES ?= operator cpu
 images: ## Build the operator and CPU runtime images (buildah, or docker) into the test bed's registry; REGISTRY=… PUSH=1 pushes there instead
+	@./.ci/setup-image-tools
 	@if [ -n "$(PUSH)" ]; then PY=$(PY) docker/build-images.sh $(IMAGES); else \
 	  list=$$(mktemp) && trap 'rm -f "$$list"' EXIT && \
 	  PY=$(PY) IMAGES_OUT="$$list" docker/build-images.sh $(IMAGES) && \
@@ -69,7 +70,8 @@ e2e: cluster-build ## End-to-end tests on the local control plane (reuses a runn
 	$(PY) -m pytest e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 
 .PHONY: e2e-serving
-e2e-serving: cluster-build images ## Real requests through gateway and stage pods (own cluster, in a network namespace)
+# The cached environments are built out here: nothing inside the network namespace reaches PyPI.
+e2e-serving: cluster-build images vllm-omni-env hfmirror-env ## Real requests through gateway and stage pods (own cluster, in a network namespace)
 	$(PY) -m omnimodel_testbed netns -- $(PY) -m pytest e2e/serving $(PYTEST_ARGS)
 
 .PHONY: bench-autoscaling
