@@ -33,15 +33,24 @@ Job controller sees its pods succeed, fail and count against ``backoffLimit`` an
 When a pod goes away, its process group is stopped (SIGTERM, then SIGKILL), as a container's processes
 all end with it; so is a container's group when its process exits.
 
-Images are not emulated: the command runs from ``bin_dir`` (this checkout's venv), except a container
-whose command is ``vllm`` (the upstream vLLM-Omni image's entrypoint), which runs from the cached
-vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU platform plugin switched on.
-Not emulated either: resource limits; probes (a container is ready once started); containers after the
+With an image store (``images.py``), every container runs from its image (``container.py``): pulled
+from the test bed's registry as the pod's ``imagePullPolicy`` says (``ErrImagePull``, then
+``ImagePullBackOff`` and the kubelet's events when it cannot be; ``imageID`` in its status), on an overlay
+of the unpacked image with the image's env, entrypoint, user and working dir, the pod's securityContext
+(uid/gid, ``readOnlyRootFilesystem``, ``fsGroup`` on its volumes), volumes at their mount paths, and
+``KUBERNETES_SERVICE_*`` naming the API server. Then nothing is rewritten but a bind to ``0.0.0.0``, which
+becomes the pod's IP (the test bed's pods share one network namespace). Without an image store the
+command runs from ``bin_dir`` (this checkout's venv) with in-container paths rewritten to the volumes'
+host directories. Either way a container whose command is ``vllm`` (the upstream vLLM-Omni image's
+entrypoint) runs from the cached vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU
+platform plugin switched on: its upstream images cannot be pulled here, and an event says so.
+Not emulated: resource limits; probes (a container is ready once started); containers after the
 first (reported running while it runs and Completed after it); sidecar init containers
 (``restartPolicy: Always``: reported running, not run); restarts of a ``restartPolicy: Always`` pod's
-container (it stays ``terminated`` and the pod unready, so a crash shows at once); a path the program
-names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded in a program is
-the host's); pods that existed before the runner served the namespace (kwok plays them, nothing runs).
+container (it stays ``terminated`` and the pod unready, so a crash shows at once); without an image, a
+path the program names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded
+in a program is the host's); pods that existed before the runner served the namespace (kwok plays
+them, nothing runs).
 """
 
 from __future__ import annotations
@@ -437,7 +446,7 @@ class PodRunner:
         elif is_vllm_omni(container) and name not in run.image_ids:
             run.image_ids[name] = ""
             self._event(
-                run, container, "Normal", "Pulled",
+                run, container, "Normal", "ImageNotPulled",
                 f'Container image "{container.get("image", "")}" not pulled: vLLM-Omni\'s upstream images cannot be '
                 "pulled here; the container runs from the test bed's cached vLLM-Omni CPU environment",
             )  # fmt: skip
