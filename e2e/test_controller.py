@@ -180,3 +180,69 @@ def test_colliding_child_names_are_a_conflict_and_nothing_changes_owner(kube: Ku
     assert kube.get("deployment", "team-gateway") is None  # nothing of `team` was applied
     ready = kube.condition("team-a")
     assert ready is not None and ready["status"] == "True"
+
+
+def refused_in_its_words(kube: Kube, name: str, deadline: float, since: float) -> tuple[dict[str, Any], float]:
+    """Wait for Ready=False/FailedCreate on ``name``; return the condition and the seconds since ``since``."""
+
+    def refused() -> dict[str, Any] | None:
+        c = kube.condition(name)
+        return c if c and (c["status"], c["reason"]) == ("False", "FailedCreate") else None
+
+    ready: dict[str, Any] = wait_for(refused, deadline, interval=0.1, what=f"{name} Ready=False/FailedCreate")
+    return ready, time.monotonic() - since
+
+
+def replica_failure(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment's or ReplicaSet's ReplicaFailure condition, as its controller wrote it."""
+    failure: dict[str, Any] = next(c for c in obj["status"]["conditions"] if c["type"] == "ReplicaFailure")
+    return failure
+
+
+def test_pods_a_limitrange_refuses_make_ready_false_with_the_api_servers_words(kube: Kube) -> None:
+    """max cpu 200m and no default: the API server defaults each container's limit to the max, so the
+    stage's 500m request is over its limit and every pod the ReplicaSet creates is refused (Pod invalid);
+    the gateway's 100m request fits. Before, status said "rolling out, 0/1 updated" forever."""
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "LimitRange",
+            "metadata": {"name": "cpu-max"},
+            "spec": {"limits": [{"type": "Container", "max": {"cpu": "200m"}}]},
+        }
+    )
+    applied = time.monotonic()
+    kube.apply(example("text-tiny.yaml"))
+    ready, took = refused_in_its_words(kube, "text-tiny", 15, applied)
+    said = replica_failure(kube.get("deployment", "text-tiny-llm"))
+    assert said["reason"] == "FailedCreate" and "must be less than or equal to cpu limit of 200m" in said["message"]
+    (replicaset,) = kube.get("replicaset", selector="app.kubernetes.io/instance=text-tiny,omnimodel.io/stage=llm")[
+        "items"
+    ]
+    assert replica_failure(replicaset)["message"] == said["message"]  # the Deployment controller's copy
+    assert ready["message"].startswith(f"llm: cannot create pods: {said['message']}"), ready
+    progressing = kube.condition("text-tiny", "Progressing")
+    assert progressing is not None and (progressing["status"], progressing["reason"]) == ("True", "FailedCreate")
+    row = kube.get("omnimodel", "text-tiny")["status"]["stages"][0]
+    assert (row["reason"], row["message"]) == ("FailedCreate", f"llm: cannot create pods: {said['message']}")
+    print(f"Ready=False/FailedCreate {took:.2f}s after the apply: {ready['message']}")
+
+
+def test_pods_a_resourcequota_refuses_name_every_stage_refused(kube: Kube) -> None:
+    """A quota on limits.cpu: every pod must set a CPU limit, and no shipped pod does."""
+    kube.run("create", "quota", "compute", "--hard=limits.cpu=8")
+    applied = time.monotonic()
+    kube.apply(example("text-tiny.yaml"))
+    _, took = refused_in_its_words(kube, "text-tiny", 15, applied)
+
+    def both() -> dict[str, Any] | None:
+        c = kube.condition("text-tiny")
+        named = c and all(f"{n}: cannot create pods" in c["message"] for n in ("llm", "gateway"))
+        return c if named else None
+
+    ready = wait_for(both, 15, interval=0.1, what="both the stage and the gateway named")
+    for component in ("llm", "gateway"):
+        said = replica_failure(kube.get("deployment", f"text-tiny-{component}"))["message"]
+        assert "failed quota: compute: must specify limits.cpu" in said, said
+        assert f"{component}: cannot create pods: {said}" in ready["message"], ready
+    print(f"Ready=False/FailedCreate {took:.2f}s after the apply: {ready['message']}")

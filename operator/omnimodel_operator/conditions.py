@@ -14,6 +14,9 @@ CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED, WEIGHTS_READY)
 
 # Reasons (UpperCamelCase), most severe first; the summary Ready reason is the first that applies.
 INVALID_SPEC: Final = "InvalidSpec"
+# The API server refused what a Deployment controller creates (quota, LimitRange, an admission webhook):
+# the Deployment's own ReplicaFailure reason, so the word is the one `kubectl describe` shows.
+FAILED_CREATE: Final = "FailedCreate"
 INSUFFICIENT_CAPACITY: Final = "InsufficientCapacity"
 PROGRESS_DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 UPDATING: Final = "Updating"
@@ -31,6 +34,7 @@ REASON_PRIORITY: Final = (
     INVALID_SPEC,
     NAME_CONFLICT,
     RECONCILE_ERROR,
+    FAILED_CREATE,
     INSUFFICIENT_CAPACITY,
     PROGRESS_DEADLINE_EXCEEDED,
     UPDATING,

@@ -15,8 +15,12 @@ Condition semantics (the choices DESIGN left open):
   zero (``minReplicas: 0``) still serves, on demand: the gateway holds its requests while it wakes, so
   it leaves Ready alone (the message names it as idle).
 - **Progressing** is True while a rollout or scale-up is under way *or stuck*, with the reason:
-  ``InsufficientCapacity`` (pods cannot be scheduled), ``ProgressDeadlineExceeded`` (the Deployment
-  controller gave up waiting), ``PodsNotReady`` (new pods run but never became ready), ``Updating``.
+  ``FailedCreate`` (the API server refused the stage's pods or ReplicaSet: quota, LimitRange, an
+  admission webhook), ``InsufficientCapacity`` (pods cannot be scheduled), ``ProgressDeadlineExceeded``
+  (the Deployment controller gave up waiting), ``PodsNotReady`` (pods run but are not ready; a container
+  the kubelet cannot start or keep running, ImagePullBackOff, CrashLoopBackOff, OOMKilled, is named with
+  the kubelet's words even mid-rollout), ``Updating`` (a rollout with nothing stuck). Ready, when False,
+  carries the same reason; every message names the stage and quotes Kubernetes verbatim.
 - **WeightsReady** (only when the operator fetches an ``hf://`` model into ``model.cache``) follows the
   fetch Job (:mod:`omnimodel_operator.weights`); until it is True, Ready is False with
   ``FetchingWeights`` (Progressing True, same reason) or, once the Job gave up, ``WeightsFailed``.
@@ -68,13 +72,49 @@ def _unschedulable(pods: Iterable[Manifest]) -> str | None:
     return None
 
 
-def _waiting_reason(pods: Iterable[Manifest]) -> str | None:
-    """A container stuck waiting (ImagePullBackOff, CrashLoopBackOff) explains a not-ready stage best."""
+# Waiting reasons of a container that is still starting, not stuck.
+_STARTING = (None, "ContainerCreating", "PodInitializing")
+
+
+def _container_trouble(pods: Iterable[Manifest]) -> str | None:
+    """What the kubelet says keeps a container from running, in its words: a waiting reason other than
+    starting up (ImagePullBackOff, ErrImagePull, CrashLoopBackOff, CreateContainerConfigError) with its
+    message, which names the image or the failed container, and how the container last ended
+    (``OOMKilled``, exit code 137). Containers that are ready are not trouble, whatever they once were, and
+    neither are pods on their way out (an old pod stopping in a rollout, an evicted one already replaced)."""
     for pod in pods:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting")
-            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
-                return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+        status = pod.get("status") or {}
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            if cs.get("ready"):
+                continue
+            state = cs.get("state") or {}
+            waiting = state.get("waiting") or {}
+            ended = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+            parts = []
+            if waiting.get("reason") not in _STARTING:
+                parts.append(f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+            if ended.get("reason") not in (None, "Completed"):
+                parts.append(f"last terminated {ended['reason']} (exit code {ended.get('exitCode')})")
+            if parts:
+                return f"container {cs.get('name')}: {'; '.join(parts)}"
+    return None
+
+
+def _creation_refused(deployment: Manifest) -> str | None:
+    """The API server's refusal of what the Deployment controller creates.
+
+    The ReplicaSet controller records a refused pod (quota, LimitRange, an admission webhook) as its
+    ReplicaFailure condition, reason FailedCreate, with the API server's message; the Deployment
+    controller copies that condition onto the Deployment in the same sync. A refused ReplicaSet is its
+    Progressing condition, reason ReplicaSetCreateError.
+    """
+    for c in (deployment.get("status") or {}).get("conditions") or []:
+        if (c.get("type"), c.get("status"), c.get("reason")) == ("ReplicaFailure", "True", "FailedCreate"):
+            return f"cannot create pods: {c.get('message') or 'pod creation failed'}"
+        if (c.get("type"), c.get("status"), c.get("reason")) == ("Progressing", "False", "ReplicaSetCreateError"):
+            return str(c.get("message") or "cannot create a ReplicaSet")
     return None
 
 
@@ -117,21 +157,26 @@ def component_state(name: str, deployment: Manifest | None, pods: Sequence[Manif
         return ComponentState(name, *counts, reason=None)
 
     degraded = template_current and _progress_reason(deployment) == "NewReplicaSetAvailable"
+    # Most specific first: what Kubernetes refused or cannot do explains a component better than the
+    # rollout it holds up, so "rolling out" is said only while nothing is stuck.
+    refused = _creation_refused(deployment)
+    if refused:
+        return ComponentState(name, *counts, cond.FAILED_CREATE, f"{name}: {refused}", degraded)
     unschedulable = _unschedulable(pods)
     if unschedulable:
         return ComponentState(
             name, *counts, cond.INSUFFICIENT_CAPACITY, f"{name}: pods cannot be scheduled: {unschedulable}", degraded
         )
+    trouble = _container_trouble(pods)
+    detail = f" ({trouble})" if trouble else ""
     deadline = _deadline_exceeded(deployment)
     if deadline:
-        return ComponentState(name, *counts, cond.PROGRESS_DEADLINE_EXCEEDED, f"{name}: {deadline}", degraded)
-    if not template_current:
+        return ComponentState(name, *counts, cond.PROGRESS_DEADLINE_EXCEEDED, f"{name}: {deadline}{detail}", degraded)
+    if not template_current and not trouble:
         return ComponentState(
             name, *counts, cond.UPDATING,
             f"{name}: rolling out, {updated}/{desired} updated, {available}/{desired} available",
         )  # fmt: skip
-    waiting = _waiting_reason(pods)
-    detail = f" ({waiting})" if waiting else ""
     return ComponentState(
         name, *counts, cond.PODS_NOT_READY, f"{name}: {available}/{desired} pods available{detail}", degraded
     )
