@@ -34,6 +34,13 @@ REPO: Final = Path(__file__).resolve().parents[2]
 CHART: Final = REPO / "charts" / "omnimodel-operator"
 
 
+#: The operator pod's liveness and metrics ports. Not the chart's 8080 and 8081: the test bed's pods share
+#: one network namespace, and Mooncake's master (beside vLLM-Omni's head) binds every address on 8080, which
+#: a pod elsewhere holding 8080 on its own IP refuses (on a cluster each pod has a network namespace).
+HEALTH_PORT: Final = 18080
+METRICS_PORT: Final = 18081
+
+
 def image_store(state: ClusterState) -> ImageStore:
     """The cluster's node image records (new with each cluster), over the shared unpacked-image cache."""
     return ImageStore(state.state_dir / "images" / "refs.json")
@@ -65,7 +72,12 @@ class OperatorPod:
         self.state = state
         self.api = api
         self.images = RegistryImages.of(state)
-        self.values = [*self.images.chart_values(), *values]
+        self.values = [
+            *self.images.chart_values(),
+            f"--set=operator.healthPort={HEALTH_PORT}",
+            f"--set=metrics.port={METRICS_PORT}",
+            *values,
+        ]
         self.workdir = workdir
         self.runner = PodRunner(
             api,
@@ -114,7 +126,7 @@ class OperatorPod:
             tail = procs.log_tail(process.log_path, 40)
             raise RuntimeError(f"the operator pod's container exited with {process.proc.returncode}:\n{tail}")
         try:
-            return http_get(process.ip, 8080, "/healthz", tls=False, timeout=1.0) == 200
+            return http_get(process.ip, HEALTH_PORT, "/healthz", tls=False, timeout=1.0) == 200
         except OSError:
             return False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,13 +102,14 @@ def job_condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
     return found[0] if found and found[0]["status"] == "True" else {}
 
 
-def read_only_mounts(pid: int) -> set[str]:
-    """Mount points that are read-only in the mount namespace of process ``pid``."""
-    out = set()
+def read_only_mounts(pid: int) -> dict[str, str]:
+    """Read-only mounts in the mount namespace of process ``pid``: the directory mounted (its path on this
+    machine's filesystem) → where the process sees it (inside its container)."""
+    out = {}
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
         if "ro" in fields[5].split(","):
-            out.add(fields[4])
+            out[fields[3]] = fields[4]
     return out
 
 
@@ -194,9 +196,15 @@ def test_one_fetch_job_fills_the_claim_and_each_stage_reads_only_its_share(
     assert set(view["files"]) == set(decode)
     linked = {p.relative_to(view["dir"]).as_posix() for p in view["dir"].rglob("*") if p.is_symlink()}
     assert linked == set(decode)
+    # The links name the claim where the container mounts it (read-only), and the files are the claim's.
+    mounted = read_only_mounts(decode_proc.proc.pid)
+    claim_dir = pods.claim_dir(claim).resolve()
+    assert str(claim_dir) in mounted, mounted
+    in_container = f"{mounted[str(claim_dir)]}/{HUB_CACHE_IN_CLAIM}/"
     for path in linked:
-        assert (view["dir"] / path).resolve().is_relative_to(cache.resolve()), path
-    assert str(pods.claim_dir(claim)) in read_only_mounts(decode_proc.proc.pid)
+        target = os.readlink(view["dir"] / path)
+        assert target.startswith(in_container), (path, target)
+        assert (cache / target.removeprefix(in_container)).is_file(), (path, target)
 
     # The image through the gateway, with the official client.
     base = f"http://{name}-gateway.{kube.ns}.svc:8000"
