@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from omnimodel_runtime.pipeline import Pipeline
-    from omnimodel_runtime.settings import RuntimeSettings
+    from omnimodel_runtime.settings import RuntimeSettings, ThreadPlan
 
 log = logging.getLogger("omnimodel_runtime.cli")
 
@@ -295,21 +295,77 @@ def _graceful_server_class() -> type[Any]:
     return GracefulServer
 
 
-def cmd_stage(args: argparse.Namespace) -> int:
-    from omnimodel_runtime.stage.server import build_stage_app
+def _limit_threads(settings: RuntimeSettings, pipeline: Pipeline | None = None) -> ThreadPlan:
+    """Set the thread variables of this process (OpenMP, MKL, OpenBLAS, tokenizers) from the CPUs it may
+    use, leaving the ones the user set (see ``RuntimeSettings.cpu_threads``). Called before torch and numpy
+    load: OpenMP and OpenBLAS read them once, when loaded. ``pipeline``: a split deployment's file, whose
+    loopback endpoints are stage processes sharing this host's CPUs."""
+    import os
 
+    from omnimodel_runtime.settings import cpu_budget, plan_threads, thread_env
+
+    sharers = _stage_processes_here(pipeline) if pipeline is not None else 1
+    plan = plan_threads(cpu_budget(), setting=settings.cpu_threads, environ=os.environ, sharers=sharers)
+    os.environ.update(thread_env(plan.count, os.environ))
+    return plan
+
+
+def _stage_processes_here(pipeline: Pipeline) -> int:
+    """Stage processes the pipeline file puts on this host: one per loopback endpoint (split mode on one
+    host, as by hand). Elsewhere each stage has a host or pod, and CPUs, of its own."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    def loopback(url: str) -> bool:
+        host = urlsplit(url).hostname or ""
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name
+            return False
+
+    return len({url for stage in pipeline.stages for url in stage.endpoints if loopback(url)})
+
+
+def _torch_threads(plan: ThreadPlan) -> str:
+    """torch's pools sized to ``plan`` (torch imported now, if it is installed); what they are."""
+    try:
+        from omnimodel_runtime.engines.devices import set_torch_threads
+    except ImportError:
+        return "no torch"
+    # Nothing the engines run uses torch's inter-op pool (torch.jit.fork); one thread is plenty.
+    intra, inter = set_torch_threads(plan.count, 1)
+    return f"torch intra {intra}, inter {inter}"
+
+
+def _log_threads(plan: ThreadPlan, torch_part: str) -> None:
+    import os
+
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    log.info("threads: %d (%s; %s, OMP %s)", plan.count, plan.describe(), torch_part, omp)
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
     settings = _settings(args, pipeline=args.pipeline, stage=args.stage)
     _setup_logging(settings.log_level, settings.log_format)
-    app = build_stage_app(settings, _load(args.pipeline), args.stage)
+    pipeline = _load(args.pipeline)
+    plan = _limit_threads(settings, pipeline)
+    from omnimodel_runtime.stage.server import build_stage_app  # numpy loads here, after _limit_threads
+
+    app = build_stage_app(settings, pipeline, args.stage)
+    _log_threads(plan, _torch_threads(plan))
     return run_app(app, settings)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from omnimodel_runtime.gateway import build_gateway_app
-
     settings = _settings(args, pipeline=args.pipeline)
     _setup_logging(settings.log_level, settings.log_format)
-    return run_app(build_gateway_app(settings, _load(args.pipeline)), settings)
+    pipeline = _load(args.pipeline)
+    plan = _limit_threads(settings, pipeline)
+    from omnimodel_runtime.gateway import build_gateway_app  # numpy loads here, after _limit_threads
+
+    app = build_gateway_app(settings, pipeline)
+    _log_threads(plan, "no torch in a gateway")
+    return run_app(app, settings)
 
 
 def _parse_kv(items: Sequence[str], what: str) -> dict[str, Any]:
@@ -326,10 +382,11 @@ def _parse_kv(items: Sequence[str], what: str) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from omnimodel_runtime.serve import build_serve_app, serve_pipeline
-
     settings = _settings(args)
     _setup_logging(settings.log_level, settings.log_format)
+    plan = _limit_threads(settings)
+    from omnimodel_runtime.serve import build_serve_app, serve_pipeline  # numpy loads here
+
     pipeline = serve_pipeline(
         args.preset,
         args.model,
@@ -340,7 +397,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         local_defaults=True,
     )
     _log_choices(pipeline, args.engine)
-    return run_app(build_serve_app(settings, pipeline), settings)
+    app = build_serve_app(settings, pipeline)
+    _log_threads(plan, _torch_threads(plan))
+    return run_app(app, settings)
 
 
 def _log_choices(pipeline: Pipeline, engines: Sequence[str]) -> None:

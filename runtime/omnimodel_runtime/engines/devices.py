@@ -34,6 +34,16 @@ def resolve_device(setting: str) -> str:
     return "cpu"
 
 
+def set_torch_threads(intra: int, inter: int = 1) -> tuple[int, int]:
+    """torch's intra-op pool to ``intra`` threads and its inter-op pool to ``inter``; returns the counts
+    torch then reports. torch takes an inter-op count only once and only before its first inter-op work;
+    a later call leaves the count it has."""
+    torch.set_num_threads(intra)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(inter)
+    return torch.get_num_threads(), torch.get_num_interop_threads()
+
+
 def torch_dtype(name: Any, device: str) -> Any:
     """The dtype to load weights in: explicit ``engine_args.dtype``, else float32 on CPU (CPU kernels
     for half precision are slow or missing) and the checkpoint's own dtype on accelerators."""

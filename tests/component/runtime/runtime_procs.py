@@ -63,9 +63,20 @@ def torch_threads(count: int | None) -> Iterator[None]:
 class RuntimeProcess:
     """One ``python -m omnimodel_runtime ...`` process, logging to a file, stopped by its PID."""
 
-    def __init__(self, name: str, args: list[str], *, log_dir: Path, env: Mapping[str, str], port: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        log_dir: Path,
+        env: Mapping[str, str],
+        port: int,
+        wrapper: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.args = args
+        # A command the process runs under, e.g. ("taskset", "-c", "0"); it must exec the runtime (one PID).
+        self.wrapper = tuple(wrapper)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}-{port}.log"
@@ -74,8 +85,9 @@ class RuntimeProcess:
 
     def start(self) -> RuntimeProcess:
         log = self.log_path.open("ab")
+        command = [*self.wrapper, sys.executable, "-m", "omnimodel_runtime", *self.args]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omnimodel_runtime", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
+            [*command, "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self._env,

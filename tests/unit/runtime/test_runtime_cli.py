@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -17,7 +18,20 @@ from omnimodel_runtime.engines.registry import engine_class, supported
 from omnimodel_runtime.errors import ExtraMissingError, RuntimeSetupError
 from omnimodel_runtime.pipeline import EngineName, PipelineError, Vendor
 from omnimodel_runtime.serve import serve_pipeline
-from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.settings import THREAD_ENV, RuntimeSettings
+
+
+@pytest.fixture(autouse=True)
+def thread_env_kept() -> Iterator[None]:
+    """main() sets the thread variables of the process it runs in, here pytest's: put them back after
+    (a later test's subprocess would inherit them as the user's)."""
+    saved = {name: os.environ.get(name) for name in THREAD_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_help_and_gateway_imports_stay_free_of_torch() -> None:
