@@ -1,10 +1,11 @@
 """The operator's Helm chart on the local control plane: install, RBAC, a real operator run, upgrade,
 uninstall.
 
-No container engine runs the operator pod (kwok only fakes its lifecycle), so the operator runs as a
-local process with exactly the pod's command and environment, taken from the installed Deployment,
-and with a token of the chart's ServiceAccount (TokenRequest API): every API call it makes goes
-through the chart's RBAC (omnimodel_testbed.operator_process, which `make demo` uses too).
+Here (kwok only fakes the pod's lifecycle) the operator runs as a local process with exactly the pod's
+command and environment, taken from the installed Deployment, and with a token of the chart's
+ServiceAccount (TokenRequest API): every API call it makes goes through the chart's RBAC
+(omnimodel_testbed.operator_process). `make demo` and `make e2e-serving` run the chart's operator pod
+from its image instead (omnimodel_testbed.operator_pod).
 
 The release watches one fresh namespace (watchNamespaces), so the operator run here never touches
 other suites' objects. The CRD is shared by every suite on the cluster: an existing one is adopted

@@ -9,11 +9,12 @@ What runs, in two processes:
   processes from ``demo/processes.json``) and checks that no process is left in the namespace, so the
   namespace is gone.
 - **inside** the namespace: the cluster (etcd, kube-apiserver, controller-manager, scheduler, kwok with
-  the fake accelerator fleet), the test bed's cluster DNS, ``helm install`` of the operator chart, the
-  operator (the chart's pod command run as a local process with its ServiceAccount's token, as
-  ``e2e/test_chart.py`` does), the pod runner (every pod of the ``demo`` namespace as a local process on
-  its pod IP, as ``e2e/serving`` does), the two OmniModels from ``examples/``, requests with the official
-  ``openai`` client through each gateway's Service name, a scale-out, and the teardown.
+  the fake accelerator fleet, and the OCI registry ``make images`` pushed to), the test bed's cluster DNS,
+  ``helm install`` of the operator chart with the images' names computed from its values, the operator
+  pod run from the operator image by the test bed's kubelet (``operator_pod.py``, as ``e2e/serving``
+  does), the pod runner (every pod of the ``demo`` namespace from its image, on its pod IP), the two
+  OmniModels from ``examples/``, requests with the official ``openai`` client through each gateway's
+  Service name, a scale-out, and the teardown.
 
 The fake nodes have no devices: the pod runner starts every stage on this machine's CPU
 (``OMNIMODEL_DEVICE=cpu``) whatever vendor the scheduler placed it on; requests, node selectors,
