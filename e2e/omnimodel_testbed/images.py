@@ -212,7 +212,7 @@ class ImageStore:
         self._prune(keep=target)
 
     def _prune(self, keep: Path) -> None:
-        """Unpacked images beyond the KEEP_UNPACKED most recently pulled go (1.5 GB each for the runtime; a
+        """Unpacked images beyond the KEEP_UNPACKED most recently used go (1.5 GB each for the runtime; a
         source change makes a new one). Never one a container of this node runs on: only those unpacked
         before the node's oldest record could be, and the records name what this node uses."""
         in_use = {self._unpacked(d) for d in self._records().values()} | {keep}
@@ -243,6 +243,7 @@ class ImageStore:
 
     def _image(self, reference: str, digest: str) -> Image:
         rootfs = self._unpacked(digest)
+        rootfs.touch()  # used now: the prune keeps the most recently used
         config = json.loads((rootfs.parent / f"{rootfs.name}.config.json").read_text())
         return Image(reference, digest, rootfs, config)
 
