@@ -36,7 +36,6 @@ __all__ = [
     "NAMESPACE",
     "REGISTRY_ENV",
     "RegistryImages",
-    "manifest_digests",
     "push_images",
     "registry_config",
     "registry_storage",
@@ -154,21 +153,18 @@ class RegistryImages:
 def _buildah() -> str:
     path = shutil.which("buildah")
     if path is None:
-        raise RuntimeError("`buildah` not found: `apt-get install buildah` (docs/development.md)")
+        raise RuntimeError("`buildah` not found: run .ci/setup-image-tools (or apt-get install buildah)")
     return path
 
 
 def push_images(names: Sequence[str], workdir: Path) -> list[str]:
     """Push locally built images (buildah's storage) into the test bed's registry storage, under the same
-    repository path; returns the test-bed references, each with its manifest digest."""
+    repository name under ``omnimodel/``; returns the test-bed references, each with its manifest digest."""
     pushed = []
     with running_registry(workdir) as port:
         for name in names:
-            repository = name.split("/", 1)[1] if "/" in name else name
-            if repository.startswith(f"{NAMESPACE}/"):
-                target = f"127.0.0.1:{port}/{repository}"
-            else:
-                target = f"127.0.0.1:{port}/{NAMESPACE}/{repository.rsplit('/', 1)[-1]}"
+            # <any registry>/<path>/omnimodel-runtime:0.1.0-cpu → 127.0.0.1:<port>/omnimodel/omnimodel-runtime:0.1.0-cpu
+            target = f"127.0.0.1:{port}/{NAMESPACE}/{name.rsplit('/', 1)[-1]}"
             digest_file = workdir / "digest"
             subprocess.run(
                 [
@@ -181,17 +177,3 @@ def push_images(names: Sequence[str], workdir: Path) -> list[str]:
             log.info("pushed %s to the test bed's registry as %s@%s", name, target, digest)
             pushed.append(f"{target}@{digest}")
     return pushed
-
-
-def manifest_digests(storage: Path | None = None) -> dict[str, str]:
-    """``repository:tag`` → manifest digest of every tag in the registry's storage (read from its files,
-    so without a running registry): what ``make images`` left there."""
-    root = (storage or registry_storage()) / "docker" / "registry" / "v2" / "repositories"
-    out: dict[str, str] = {}
-    for tags in root.glob("**/_manifests/tags"):
-        repository = str(tags.parent.parent.relative_to(root))
-        for tag in tags.iterdir():
-            link = tag / "current" / "link"
-            if link.is_file():
-                out[f"{repository}:{tag.name}"] = link.read_text().strip()
-    return dict(sorted(out.items()))
