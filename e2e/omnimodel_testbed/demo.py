@@ -92,8 +92,8 @@ SCALED_STAGE = "thinker"
 STEPS: tuple[tuple[str, str], ...] = (
     ("binaries", "Control-plane binaries (built from e2e/cluster/go.mod on first use)"),
     ("cluster", "Start the control plane in a private network namespace"),
-    ("chart", "helm install the operator chart"),
-    ("operator", "Run the operator: the chart's pod command, with its ServiceAccount's token"),
+    ("chart", "helm install the operator chart, its images named through its values"),
+    ("operator", "The operator pod runs from its image, pulled from the test bed's registry"),
     ("apply", "kubectl apply two tiny OmniModels whose stages span four accelerator vendors"),
     ("ready", "Wait until both are Ready and every stage pod has loaded its model"),
     ("chat", "Chat through the gateway Service with the official openai client"),

@@ -63,6 +63,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -228,12 +229,28 @@ class _PodRun:
 
 
 def _apply_fs_group(path: Path, fs_group: int | None) -> None:
-    """``fsGroup``: the volume's directory belongs to that group, group-writable, and new files inherit
-    the group (setgid), as the kubelet prepares a volume that supports ownership management."""
+    """``fsGroup`` as the kubelet applies it to a volume that supports ownership management, under the
+    default ``fsGroupChangePolicy: Always``: everything in it belongs to that group and is group-readable
+    and writable (group-executable where the owner may execute), and directories pass the group on to new
+    files (setgid). So a pod of the image's uid reads what another user left in a shared volume."""
     if fs_group is None or os.geteuid() != 0:
         return
-    os.chown(path, -1, int(fs_group))
-    path.chmod(path.stat().st_mode | 0o2070)
+    gid = int(fs_group)
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            _own(Path(root) / name, gid)
+    _own(path, gid)
+
+
+def _own(path: Path, gid: int) -> None:
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        return
+    os.chown(path, -1, gid)
+    mode = st.st_mode | 0o060 | (0o010 if st.st_mode & 0o100 else 0)
+    if stat.S_ISDIR(st.st_mode):
+        mode |= 0o2070
+    os.chmod(path, stat.S_IMODE(mode))
 
 
 def _run_order(spec: Mapping[str, Any]) -> list[JSON]:

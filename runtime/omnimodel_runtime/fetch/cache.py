@@ -177,6 +177,7 @@ def _atomic_write(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the marker from the stages' readers of the cache
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -52,6 +52,9 @@ def ensure_tiny(preset: str, cache_root: Path, *, seed: int | None = None) -> Pa
                 # A leftover without a marker: not ours to trust.
                 shutil.rmtree(target)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            # mkdtemp's 0700 would hide the model from every other user of a shared cache (a pod of the
+            # image's uid reading what a root process built, or another uid under the same fsGroup).
+            tmp.chmod(0o755)
             try:
                 build_tiny(preset, tmp, seed=seed)
                 marker = {"preset": preset, "seed": seed, "builder_version": builder.version}
