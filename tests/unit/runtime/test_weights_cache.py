@@ -281,3 +281,12 @@ def test_a_taken_progress_port_is_a_configuration_error(tmp_path: Path) -> None:
         args = ["fetch", "--pipeline", str(path), "--termination-log", str(term), "--progress-port", str(port)]
         assert cli.main(args) == cli.EXIT_CONFIG
     assert term.read_text().startswith(f"Invalid: cannot serve /progress on 127.0.0.1:{port}")
+
+
+def test_the_marker_is_readable_by_every_reader_of_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fetch Job and the stage pods may be different users of one claim (mkstemp alone makes 0600)."""
+    FakeHub(monkeypatch, T2I)
+    cache = tmp_path / "cache"
+    run.fetch_pipeline(t2i(), cache)
+    for path in (layout.marker_path(cache, "acme/t2i", SHA), layout.ref_path(cache, "acme/t2i", "main")):
+        assert path.stat().st_mode & 0o044 == 0o044, (path, oct(path.stat().st_mode))
