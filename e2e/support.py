@@ -144,10 +144,11 @@ class Operator:
             "OMNIMODEL_METRICS_PORT": str(self.metrics_port),
             **self.extra_env,
         }
-        if self.cluster.state is not None and "OMNIMODEL_RUNTIME_IMAGES" not in env:
+        state = self.cluster.state
+        if state is not None and "registry" in state.ports and "OMNIMODEL_RUNTIME_IMAGES" not in env:
             # What the chart sets in the test bed: every vendor's stage image is the CPU one of the test bed's
             # registry (the fake nodes have no devices; Ascend and Intel have no image of their own).
-            env["OMNIMODEL_RUNTIME_IMAGES"] = json.dumps(RegistryImages.of(self.cluster.state).runtime_images())
+            env["OMNIMODEL_RUNTIME_IMAGES"] = json.dumps(RegistryImages.of(state).runtime_images())
         with log_path.open("wb") as log:  # Popen dups the descriptor; ours closes here
             self.proc = subprocess.Popen(
                 [
