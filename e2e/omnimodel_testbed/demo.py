@@ -315,7 +315,12 @@ def enter(state_dir: Path | None, cmd: Sequence[str]) -> int:
     env["KUBECONFIG"] = str(paths.state_dir / "admin.kubeconfig")
     env["KUBECACHEDIR"] = str(paths.demo / "kube-cache")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    argv = [nsenter, "-t", str(info["pid"]), "-U", "-n", "-m", "--", *(cmd or [env.get("SHELL", "/bin/sh")])]
+    # The demo has a user namespace of its own only when started by a user other than root (netns.py);
+    # nsenter refuses to re-enter the one it is in.
+    pid = str(info["pid"])
+    own_user_ns = os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user")
+    user = ["-U"] if own_user_ns else []
+    argv = [nsenter, "-t", pid, *user, "-n", "-m", "--", *(cmd or [env.get("SHELL", "/bin/sh")])]
     return subprocess.run(argv, env=env, check=False).returncode
 
 
