@@ -154,25 +154,31 @@ def test_ctrl_c_while_the_models_load_tears_everything_down(tmp_path: Path) -> N
 def test_keep_leaves_it_reachable_until_sigterm(tmp_path: Path) -> None:
     state = tmp_path / "state"
     demo = Demo(state, tmp_path / "out", extra=["--keep"])
-    demo.wait_for_line(r"^\[\d+:\d\d\] Left running", timeout=600)
-    # What the demo prints for reaching it works: kubectl and the gateway from inside its namespace.
-    enter = [sys.executable, "-m", "omnimodel_testbed", "--state-dir", str(state), "enter", "--"]
-    omni = subprocess.run([*enter, "kubectl", "get", "omni", "-n", "demo", "-o", "json"], capture_output=True,
-                          text=True, check=True, cwd=REPO, timeout=60)  # fmt: skip
-    ready = {
-        o["metadata"]["name"]: next(c["status"] for c in o["status"]["conditions"] if c["type"] == "Ready")
-        for o in json.loads(omni.stdout)["items"]
-    }
-    assert ready == {"omni-tiny": "True", "image-tiny": "True"}
-    models = subprocess.run(
-        [*enter, sys.executable, "-c",
-         "import httpx; print(httpx.get('http://omni-tiny-gateway.demo.svc:8000/v1/models').json()['data'][0]['id'])"],
-        capture_output=True, text=True, check=True, cwd=REPO, timeout=60,
-    )  # fmt: skip
-    assert models.stdout.strip() == "qwen2.5-omni"
-    assert demo.proc.poll() is None
-    demo.proc.send_signal(signal.SIGTERM)  # to the outside process only: it forwards
-    rc = demo.finish(timeout=120)
-    assert rc == 130, demo.text
-    assert "Nothing left behind" in demo.text
+    try:
+        demo.wait_for_line(r"^\[\d+:\d\d\] Left running", timeout=600)
+        # What the demo prints for reaching it works: kubectl and the gateway from inside its namespace.
+        enter = [sys.executable, "-m", "omnimodel_testbed", "--state-dir", str(state), "enter", "--"]
+        omni = subprocess.run([*enter, "kubectl", "get", "omni", "-n", "demo", "-o", "json"], capture_output=True,
+                              text=True, check=True, cwd=REPO, timeout=60)  # fmt: skip
+        ready = {
+            o["metadata"]["name"]: next(c["status"] for c in o["status"]["conditions"] if c["type"] == "Ready")
+            for o in json.loads(omni.stdout)["items"]
+        }
+        assert ready == {"omni-tiny": "True", "image-tiny": "True"}
+        models = subprocess.run(
+            [*enter, sys.executable, "-c",
+             "import httpx; print(httpx.get('http://omni-tiny-gateway.demo.svc:8000/v1/models').json()['data'][0]['id'])"],
+            capture_output=True, text=True, check=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+        assert models.stdout.strip() == "qwen2.5-omni"
+        assert demo.proc.poll() is None
+        demo.proc.send_signal(signal.SIGTERM)  # to the outside process only: it forwards
+        rc = demo.finish(timeout=120)
+        assert rc == 130, demo.text
+        assert "Nothing left behind" in demo.text
+    finally:
+        # A failed check above must not leave the kept demo (its cluster and pods) running.
+        if demo.proc.poll() is None:
+            demo.proc.send_signal(signal.SIGTERM)
+            demo.finish(timeout=120)
     assert_nothing_left(state)
