@@ -110,13 +110,14 @@ def _tool(name: str) -> str:
     return path
 
 
-_CREDENTIAL_NOISE = re.compile(r"^time=\"[^\"]*\" level=\w+ msg=", re.MULTILINE)
+# skopeo and umoci report errors as logrus lines (time="..." level=fatal msg="..."): keep the message.
+_LOG_PREFIX = re.compile(r"^time=\"[^\"]*\" level=\w+ msg=", re.MULTILINE)
 
 
 def _run(argv: Sequence[str]) -> str:
     result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        message = _CREDENTIAL_NOISE.sub("", (result.stderr or result.stdout).strip()).strip('"')
+        message = _LOG_PREFIX.sub("", (result.stderr or result.stdout).strip()).strip('"')
         raise ImagePullError("ErrImagePull", message or f"{argv[0]} exited with {result.returncode}")
     return result.stdout
 

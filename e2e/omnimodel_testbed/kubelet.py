@@ -228,6 +228,15 @@ class _PodRun:
         return self.phase in ps.TERMINAL_PHASES
 
 
+def _read_only_volumes(spec: Mapping[str, Any]) -> set[str]:
+    """Names of the pod's volumes every mount of which is read-only (the kubelet's rule, or the claim's)."""
+    return {
+        v["name"]
+        for v in spec.get("volumes") or []
+        if any(k in v for k in READ_ONLY_SOURCES) or (v.get("persistentVolumeClaim") or {}).get("readOnly")
+    }
+
+
 def _apply_fs_group(path: Path, fs_group: int | None) -> None:
     """``fsGroup`` as the kubelet applies it to a volume that supports ownership management, under the
     default ``fsGroupChangePolicy: Always``: everything in it belongs to that group and is group-readable
@@ -754,11 +763,7 @@ class PodRunner:
         if image is not None:
             return self._start_in_image(pod, container, volumes, root, init=init, image=image)
         ip = pod["status"]["podIP"]
-        read_only_volumes = {
-            v["name"]
-            for v in pod["spec"].get("volumes") or []
-            if any(k in v for k in READ_ONLY_SOURCES) or (v.get("persistentVolumeClaim") or {}).get("readOnly")
-        }
+        read_only_volumes = _read_only_volumes(pod["spec"])
         mounts: list[tuple[str, Path]] = []
         read_only: list[Path] = []
         for m in container.get("volumeMounts") or []:
@@ -873,11 +878,7 @@ class PodRunner:
         meta, spec = pod["metadata"], pod["spec"]
         ip = pod["status"]["podIP"]
         name = container["name"]
-        read_only_volumes = {
-            v["name"]
-            for v in spec.get("volumes") or []
-            if any(k in v for k in READ_ONLY_SOURCES) or (v.get("persistentVolumeClaim") or {}).get("readOnly")
-        }
+        read_only_volumes = _read_only_volumes(spec)
         mounts = [
             ContainerMount(
                 volumes[m["name"]] / m["subPath"] if m.get("subPath") else volumes[m["name"]],

@@ -72,12 +72,12 @@ def container_status(
     ready: bool = False,
     restart_count: int = 0,
     last_state: JSON | None = None,
-    image_id: str = "",
 ) -> JSON:
     return {
         "name": container["name"],
         "image": container.get("image", ""),
-        "imageID": image_id,
+        # The pod runner sets it once the image is pulled (kubelet._write_status).
+        "imageID": "",
         "ready": ready,
         "started": "running" in state,
         "restartCount": restart_count,
