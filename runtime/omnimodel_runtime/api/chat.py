@@ -32,7 +32,7 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, api: Annotated[APIState, Depends(api_state)]
 ) -> Response:
     body = with_default_modalities(body, api.chat_modalities)
-    # Audio runs the whole stage chain; everything else stays on the single-stage text path.
+    # Audio runs the chain down to the vocoder; text-only chat stops at the stage that writes the text.
     service = api.chat_audio if wants_audio(body) else api.chat
     return respond(await until_disconnect(request, service.create(body)))
 

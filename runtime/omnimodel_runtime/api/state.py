@@ -46,12 +46,11 @@ class APIState:
         chat_modalities: Sequence[str] = ("text",),
         media: MediaPolicy = NO_FETCH,
     ) -> APIState:
-        chat = ChatService(orchestrator, request_timeout=request_timeout, media=media)
         return cls(
             pipeline=orchestrator.pipeline,
             orchestrator=orchestrator,
-            chat=chat,
-            chat_audio=ChatAudioService(chat),
+            chat=ChatService(orchestrator, request_timeout=request_timeout, media=media),
+            chat_audio=ChatAudioService(orchestrator, request_timeout=request_timeout, media=media),
             completions=CompletionService(orchestrator, request_timeout=request_timeout),
             images=ImageService(orchestrator, request_timeout=request_timeout, media=media),
             speech=SpeechService(orchestrator, request_timeout=request_timeout),

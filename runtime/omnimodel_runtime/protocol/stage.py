@@ -24,12 +24,38 @@ from omnimodel_runtime.protocol.videos import TextToVideoParams
 
 # Where a stage server takes requests (``POST``, frames in, frames out).
 GENERATE_PATH: Final = "/v1/stage/generate"
-# ``StageParams.query`` asking the entry stage of a speech pipeline for its voices instead of speech.
+# Where a stage server describes itself (``GET``, a :class:`StageInfo`).
+INFO_PATH: Final = "/v1/stage/info"
+# ``StageParams.query`` asking a speech engine for its voices instead of speech; the stage asks its own
+# engine and answers the gateway with :class:`StageInfo` (``voices``).
 QUERY_VOICES: Final = "voices"
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StageVoices(_Model):
+    """The speaker names a stage's model ships, and the one used when a request names none."""
+
+    names: tuple[str, ...]
+    default: str
+
+
+class StageInfo(_Model):
+    """``GET /v1/stage/info``: what a stage serves. ``max_model_len`` and ``voices`` are known once the
+    engine is ready; ``voices`` only on the stage that reads a speech request's text (None when its
+    model ships no voices)."""
+
+    stage: str
+    engine: str
+    task: str
+    model: str
+    # The start-up phase (``web.startup.Phase``) and, after a failed start, why.
+    status: str
+    error: str | None = None
+    max_model_len: int | None = None
+    voices: StageVoices | None = None
 
 
 class SamplingParams(_Model):

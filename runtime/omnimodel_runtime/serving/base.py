@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from omnimodel_runtime.pipeline import Stage
+from omnimodel_runtime.protocol.stage import ResponseFrame
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 from omnimodel_runtime.web.access import current_request_id, new_request_id
@@ -46,3 +48,13 @@ async def aclose(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+async def frames_of(chain: AsyncIterator[tuple[Stage, ResponseFrame]]) -> AsyncGenerator[ResponseFrame, None]:
+    """The frames of a chain that answers from one stage (text, a video), without the stage; closing
+    this closes the chain."""
+    try:
+        async for _, frame in chain:
+            yield frame
+    finally:
+        await aclose(chain)

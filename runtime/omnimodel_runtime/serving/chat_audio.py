@@ -2,8 +2,8 @@
 
 The request runs as one streaming chain (``Orchestrator.generate_chain``): thinker text deltas go to the
 client as they come, the thinker's rows feed the talker, the talker's codes feed code2wav, and code2wav's
-waveform comes back. Requests without audio never come here (they stay on the single-stage text path and
-never reach the talker or code2wav).
+waveform comes back. Requests without audio never come here (``ChatService`` answers them; their chain is
+the thinker alone, never the talker or code2wav).
 
 - Non-streamed: the text, plus ``message.audio`` = ``{id, data: base64 WAV (24 kHz mono, 16-bit), expires_at,
   transcript}``. code2wav runs its whole-sequence path, which equals the whole model's waveform.
@@ -47,7 +47,7 @@ from omnimodel_runtime.serving.audio import PCM_RATE, Resampler, resample, to_pc
 from omnimodel_runtime.serving.base import aclose
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.sse import event_stream, sse
-from omnimodel_runtime.serving.text import ChatService
+from omnimodel_runtime.serving.text import BaseChatService
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,8 @@ class _Answer:
         return None
 
 
-class ChatAudioService:
+class ChatAudioService(BaseChatService):
     """``/v1/chat/completions`` for requests that ask for audio."""
-
-    def __init__(self, chat: ChatService) -> None:
-        self.chat = chat
 
     @staticmethod
     def voice(req: ChatCompletionRequest) -> str | None:
@@ -140,16 +137,14 @@ class ChatAudioService:
         return given[0][1] if given else None
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[bytes]:
-        request_id = self.chat.request_id()
-        base = await self.chat.stage_input(req, request_id)
+        request_id = self.request_id()
+        base = await self.stage_input(req, request_id)
         params = StageParams(
             modalities=(Modality.TEXT, Modality.AUDIO), audio_chunked=req.stream, voice=self.voice(req)
         )
         stage_request = base.request.model_copy(update={"params": params})
         # The transcript is the thinker's text, so text is produced even when only audio is asked for.
-        chain = self.chat.orchestrator.generate_chain(
-            stage_request, [Modality.TEXT, Modality.AUDIO], tensors=base.tensors
-        )
+        chain = self.orchestrator.generate_chain(stage_request, [Modality.TEXT, Modality.AUDIO], tensors=base.tensors)
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
         audio_id = f"audio_{request_id}"
         audio_format = req.audio.format if req.audio is not None else "wav"
@@ -175,7 +170,7 @@ class ChatAudioService:
             return ChatCompletionResponse(
                 id=response_id,
                 created=created,
-                model=self.chat.model_name,
+                model=self.model_name,
                 choices=[
                     ChatCompletionResponseChoice(
                         message=ChatMessage(content=text, audio=audio), finish_reason=answer.finish_reason
@@ -214,7 +209,7 @@ class ChatAudioService:
                 AudioChatCompletionStreamResponse(
                     id=response_id,
                     created=created,
-                    model=self.chat.model_name,
+                    model=self.model_name,
                     modality=modality,
                     choices=choices,
                     usage=usage,

@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 
 from omnimodel_runtime.pipeline import Modality, Pipeline, Stage
-from omnimodel_runtime.protocol.stage import ErrorFrame, FinalFrame, ResponseFrame, StageInput, StageRequest
+from omnimodel_runtime.protocol.stage import (
+    ErrorFrame,
+    FinalFrame,
+    ResponseFrame,
+    StageInput,
+    StageRequest,
+    StageVoices,
+)
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.stage.handle import StageHandle
 
@@ -20,7 +27,8 @@ class Orchestrator:
     """Routes requests through the stages of ``pipeline`` reachable via ``handles`` (local or remote).
 
     A request asks only for the stages its output modalities need (``Pipeline.stages_for``): text chat
-    on an omni pipeline touches the thinker and never the talker or the vocoder.
+    on an omni pipeline touches the thinker and never the talker or the vocoder. Every route walks the
+    graph the same way, through :meth:`generate_chain`; a one-stage request is a chain of one.
     """
 
     def __init__(self, pipeline: Pipeline, handles: Mapping[str, StageHandle]) -> None:
@@ -49,23 +57,9 @@ class Orchestrator:
             )
         return self.pipeline.stages_for(wanted)
 
-    def generate(
-        self,
-        request: StageRequest,
-        modalities: Iterable[Modality],
-        *,
-        tensors: Mapping[str, np.ndarray] | None = None,
-    ) -> AsyncIterator[ResponseFrame]:
-        """Stream the frames that answer a single-stage request (text on the text preset); ``tensors``
-        go with the request (a chat's media)."""
-        stages = self.plan(modalities)
-        if len(stages) != 1:
-            raise APIError(
-                f"this route cannot yet answer with output that spans {' -> '.join(s.name for s in stages)}",
-                status=501,
-                type="not_implemented",
-            )
-        return self.handles[stages[0].name].generate(StageInput(request=request, tensors=tensors or {}))
+    async def voices(self, stage: Stage) -> StageVoices | None:
+        """The voices ``stage`` (the one reading a speech request's text) lists in its stage info."""
+        return await self.handles[stage.name].voices()
 
     async def generate_chain(
         self,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Final
@@ -25,11 +24,8 @@ from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import Modality, Stage
 from omnimodel_runtime.protocol.speech import SpeechRequest, VoiceList
 from omnimodel_runtime.protocol.stage import (
-    QUERY_VOICES,
-    FinalFrame,
     ResponseFrame,
     SamplingParams,
-    StageInput,
     StageParams,
     StageRequest,
     TensorFrame,
@@ -183,16 +179,8 @@ class SpeechService(Service):
         return np.concatenate(parts), rate
 
     async def voices(self) -> VoiceList:
-        """Ask the entry stage which voices its model ships."""
-        request = StageRequest(request_id=f"voices-{secrets.token_hex(8)}", params=StageParams(query=QUERY_VOICES))
-        frames = self.orchestrator.handles[self.entry.name].generate(StageInput(request=request))
-        try:
-            async for frame in frames:
-                if isinstance(frame, TensorFrame) and "voices" in frame.meta:
-                    names = [str(v) for v in frame.meta["voices"]]
-                    return VoiceList(voices=names, default=str(frame.meta.get("default", "default")))
-                if isinstance(frame, FinalFrame):
-                    break
-        finally:
-            await aclose(frames)
-        raise APIError(f"stage {self.entry.name!r} does not list voices", status=501, type="not_implemented")
+        """The voices the entry stage lists in its stage info (``/v1/stage/info`` of a stage process)."""
+        voices = await self.orchestrator.voices(self.entry)
+        if voices is None:
+            raise APIError(f"stage {self.entry.name!r} does not list voices", status=501, type="not_implemented")
+        return VoiceList(voices=list(voices.names), default=voices.default)

@@ -39,7 +39,7 @@ from omnimodel_runtime.protocol.stage import (
     StageRequest,
     TextFrame,
 )
-from omnimodel_runtime.serving.base import Service, aclose
+from omnimodel_runtime.serving.base import Service, aclose, frames_of
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.media import NO_FETCH, MediaPolicy, chat_content
 from omnimodel_runtime.serving.orchestrator import Orchestrator
@@ -138,8 +138,9 @@ class TextService(Service):
         return event_stream(events(), frames)
 
 
-class ChatService(TextService):
-    """``/v1/chat/completions``."""
+class BaseChatService(TextService):
+    """What chat with text answers and chat with audio answers share: a chat request checked and
+    translated for the entry stage."""
 
     def __init__(self, orchestrator: Orchestrator, *, request_timeout: float, media: MediaPolicy = NO_FETCH) -> None:
         super().__init__(orchestrator, request_timeout=request_timeout)
@@ -183,6 +184,10 @@ class ChatService(TextService):
         )
         return StageInput(request=request, tensors=content.tensors)
 
+
+class ChatService(BaseChatService):
+    """``/v1/chat/completions`` answered with text."""
+
     def modalities(self, req: ChatCompletionRequest) -> list[Modality]:
         return [Modality(m) for m in (req.modalities or ["text"])]
 
@@ -190,7 +195,7 @@ class ChatService(TextService):
         """A full response, or (``stream=true``) the SSE body."""
         request_id = self.request_id()
         inp = await self.stage_input(req, request_id)
-        frames = self.orchestrator.generate(inp.request, self.modalities(req), tensors=inp.tensors)
+        frames = frames_of(self.orchestrator.generate_chain(inp.request, self.modalities(req), tensors=inp.tensors))
         response_id, created = f"chatcmpl-{request_id}", int(time.time())
         if not req.stream:
             result = await collect(frames)
@@ -267,7 +272,7 @@ class CompletionService(TextService):
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[bytes]:
         request_id = self.request_id()
         stage_request = self.stage_request(req, request_id)
-        frames = self.orchestrator.generate(stage_request, [Modality.TEXT])
+        frames = frames_of(self.orchestrator.generate_chain(stage_request, [Modality.TEXT]))
         response_id, created = f"cmpl-{request_id}", int(time.time())
         if not req.stream:
             result = await collect(frames)

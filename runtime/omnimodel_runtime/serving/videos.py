@@ -38,7 +38,7 @@ from omnimodel_runtime.protocol.videos import (
     VideoObject,
     VideoStatus,
 )
-from omnimodel_runtime.serving.base import Service, aclose
+from omnimodel_runtime.serving.base import Service, aclose, frames_of
 from omnimodel_runtime.serving.errors import APIError
 from omnimodel_runtime.serving.orchestrator import Orchestrator
 
@@ -148,7 +148,7 @@ class VideoService(Service):
         """The job's background task: the stage's frames into the job's status."""
         frames: AsyncIterator[ResponseFrame] | None = None
         try:
-            frames = self.orchestrator.generate(request, [Modality.VIDEO])
+            frames = frames_of(self.orchestrator.generate_chain(request, [Modality.VIDEO]))
             async for frame in frames:
                 if isinstance(frame, TensorFrame):
                     self._take(job, frame, accepted)

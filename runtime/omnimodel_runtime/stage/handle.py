@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omnimodel_runtime.pipeline import Stage
-from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput
+from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput, StageVoices
 
 
 class StageHandle(abc.ABC):
@@ -47,6 +47,11 @@ class StageHandle(abc.ABC):
     @abc.abstractmethod
     def generate(self, inp: StageInput) -> AsyncIterator[ResponseFrame]:
         """Run one request on the stage; raises ``StageError`` on failure."""
+
+    @abc.abstractmethod
+    async def voices(self) -> StageVoices | None:
+        """The voices of the stage that reads a speech request's text, as its ``/v1/stage/info`` lists
+        them (None: its model ships none); raises ``StageError`` when the stage cannot be reached."""
 
     @property
     def max_model_len(self) -> int | None:

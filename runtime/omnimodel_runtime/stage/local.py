@@ -13,8 +13,9 @@ from omnimodel_runtime.engines.base import Engine
 from omnimodel_runtime.errors import StageUnavailableError
 from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Stage
-from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput
+from omnimodel_runtime.protocol.stage import ResponseFrame, StageInput, StageVoices
 from omnimodel_runtime.stage.handle import StageHandle
+from omnimodel_runtime.stage.info import engine_voices
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ class LocalStage(StageHandle):
         if not self._ready or self.engine is None:
             raise StageUnavailableError(f"stage {self.name!r} is not ready yet")
         return instrumented(self.engine.generate(inp), self.metrics)
+
+    async def voices(self) -> StageVoices | None:
+        if not self._ready or self.engine is None:
+            raise StageUnavailableError(f"stage {self.name!r} is not ready yet")
+        return await engine_voices(self.engine)
 
     @property
     def max_model_len(self) -> int | None:

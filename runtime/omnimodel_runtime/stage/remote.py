@@ -22,11 +22,14 @@ from omnimodel_runtime.pipeline import Stage
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameDecoder, FrameError, encode_frame, encode_frame_bytes
 from omnimodel_runtime.protocol.stage import (
     GENERATE_PATH,
+    INFO_PATH,
     ErrorFrame,
     FinalFrame,
     RequestFrame,
     ResponseFrame,
+    StageInfo,
     StageInput,
+    StageVoices,
 )
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
@@ -393,6 +396,20 @@ class RemoteStage(StageHandle):
                 stale_retried.add(endpoint.url)
             finally:
                 self._finished(endpoint, sent if done else None)
+
+    async def voices(self) -> StageVoices | None:
+        """Asked of the first healthy endpoint's ``/v1/stage/info`` (every replica serves the same model)."""
+        if self._client is None:
+            raise StageUnavailableError(f"stage {self.name!r} client is not started")
+        endpoint = await self._choose(set(), [])
+        try:
+            resp = await self._client.get(f"{endpoint.url}{INFO_PATH}", timeout=self._timeouts.health)
+        except httpx.HTTPError as err:
+            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
+            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
+        if resp.status_code != 200:
+            raise StageError(f"stage {self.name!r} answered {INFO_PATH} with HTTP {resp.status_code}", status=502)
+        return StageInfo.model_validate_json(resp.content).voices
 
     def _sent(self, endpoint: Endpoint) -> float:
         """Count an attempt as in flight (on the endpoint, for balancing; on the stage, for autoscaling)."""

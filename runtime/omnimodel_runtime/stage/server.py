@@ -21,8 +21,16 @@ from omnimodel_runtime.errors import RuntimeSetupError, StageError
 from omnimodel_runtime.metrics import StageMetrics, instrumented
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, FrameError, aiter_frames, encode_frame_bytes
-from omnimodel_runtime.protocol.stage import GENERATE_PATH, ErrorFrame, RequestFrame, ResponseFrame, StageInput
+from omnimodel_runtime.protocol.stage import (
+    GENERATE_PATH,
+    INFO_PATH,
+    ErrorFrame,
+    RequestFrame,
+    ResponseFrame,
+    StageInput,
+)
 from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_runtime.stage.info import stage_info
 from omnimodel_runtime.web import probes
 from omnimodel_runtime.web.access import AccessLogMiddleware
 from omnimodel_runtime.web.limits import BodyLimitMiddleware
@@ -103,19 +111,12 @@ def build_stage_app(
     async def metrics_endpoint() -> Response:
         return probes.metrics(registry)
 
-    @app.get("/v1/stage/info")
+    @app.get(INFO_PATH)
     async def info() -> JSONResponse:
-        eng = holder.get("engine")
-        return JSONResponse(
-            {
-                "stage": stage.name,
-                "engine": stage.engine.value,
-                "task": stage.task,
-                "model": pipeline.model.name,
-                "max_model_len": eng.max_model_len if eng is not None and startup.ready else None,
-                **startup.describe(),
-            }
+        described = await stage_info(
+            pipeline, stage, holder.get("engine"), status=startup.phase.value, error=startup.error
         )
+        return JSONResponse(described.model_dump(mode="json"))
 
     @app.post(GENERATE_PATH)
     async def generate(request: Request) -> Response:

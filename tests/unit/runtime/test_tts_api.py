@@ -28,6 +28,8 @@ from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_runtime.stage.remote import RemoteStage
+from omnimodel_runtime.stage.server import build_stage_app
 
 RATE = 8000
 # What OpenAI's clients play raw pcm at (16-bit mono little-endian).
@@ -195,6 +197,34 @@ async def test_voices_lists_what_the_acoustic_stage_ships(tts: tuple[httpx.Async
     resp = await http.get("/v1/audio/voices")
     assert resp.status_code == 200
     assert resp.json() == {"voices": ["alto", "default"], "default": "default"}
+
+
+async def test_voices_of_a_stage_process_come_from_its_stage_info_not_a_generation() -> None:
+    """The gateway of ``omnimodel gateway`` asks the acoustic stage's ``/v1/stage/info``: the stage runs
+    no request for it (its request counter stays at zero) and the list is the same."""
+    pipeline = serve_pipeline("tts", "tiny://tts", device="cpu")
+    settings = RuntimeSettings(health_interval=3600)
+    acoustic = pipeline.stage("acoustic")
+    stage_app = build_stage_app(settings, pipeline, "acoustic", engine=FakeAcoustic(fake_context(acoustic)))
+    async with AsyncExitStack() as stack:
+        url = await serve_on_loopback(stage_app, stack)
+        vocoder = FakeVocoder(fake_context(pipeline.stage("vocoder")))
+        family = StageMetricsFamily(CollectorRegistry())
+        handles: dict[str, StageHandle] = {
+            "acoustic": RemoteStage(acoustic, settings, endpoints=(url,)),
+            "vocoder": LocalStage(pipeline.stage("vocoder"), vocoder, family.for_stage("vocoder")),
+        }
+        gateway = build_app(settings, pipeline, handles)
+        await stack.enter_async_context(lifespan(gateway))
+        http = await stack.enter_async_context(asgi_client(gateway))
+        resp = await http.get("/v1/audio/voices")
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"voices": ["alto", "default"], "default": "default"}
+        async with httpx.AsyncClient(base_url=url) as stage_http:
+            info = (await stage_http.get("/v1/stage/info")).json()
+            assert info["voices"] == {"names": ["alto", "default"], "default": "default"}
+            metrics = (await stage_http.get("/metrics")).text
+        assert 'omnimodel_stage_requests_total{outcome="ok",stage="acoustic"}' not in metrics
 
 
 @pytest.mark.parametrize(
