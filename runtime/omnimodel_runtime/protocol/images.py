@@ -152,11 +152,10 @@ class ImageEditParams(BaseModel):
 # ---------------------------------------------------------------- POST /v1/images/generations
 
 
-class _ImageFields(OpenAIRequestBody):
-    """The diffusion parameters the images API and image chat share (vLLM-Omni's extensions), and the
-    size: OpenAI's ``size``, or ``height`` and ``width`` (vLLM-Omni's names, as on image chat and
-    ``/v1/videos``); both ways at once must agree. The model's size rule (Qwen-Image: multiples of 16) is
-    the stage's to check."""
+class _DiffusionFields(BaseModel):
+    """The diffusion parameters every image request takes (vLLM-Omni's extensions beside OpenAI's ``n``
+    and ``size``). No config of its own: a request's base class says how strictly they parse (JSON
+    bodies strictly, an edit's form values from text)."""
 
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
     seed: Seed | None = None
@@ -165,11 +164,18 @@ class _ImageFields(OpenAIRequestBody):
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
     size: str | None = None
+
+    _size = field_validator("size")(_check_size)
+
+
+class _ImageFields(_DiffusionFields, OpenAIRequestBody):
+    """What the images API and image chat share: the diffusion parameters and the size as OpenAI's
+    ``size``, or ``height`` and ``width`` (vLLM-Omni's names, as on image chat and ``/v1/videos``); both
+    ways at once must agree. The model's size rule (Qwen-Image: multiples of 16) is the stage's to check."""
+
     height: Side | None = None
     # Validated even when absent: the check that width and height come together lives on it.
     width: Annotated[Side | None, Field(validate_default=True)] = None
-
-    _size = field_validator("size")(_check_size)
 
     @field_validator("width")
     @classmethod
@@ -231,7 +237,7 @@ class ImageGenerationRequest(_ImageFields):
 # ---------------------------------------------------------------- POST /v1/images/edits
 
 
-class ImageEditRequest(OpenAIBaseModel):
+class ImageEditRequest(_DiffusionFields, OpenAIBaseModel):
     """The text fields of ``POST /v1/images/edits`` (a multipart form: every value arrives as text, so
     numbers are parsed from it); the files (``image``, ``mask``) are checked by the service.
 
@@ -244,16 +250,9 @@ class ImageEditRequest(OpenAIBaseModel):
 
     prompt: Text
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
-    size: str | None = None
     response_format: Literal["b64_json"] | None = None
     output_format: Literal["png"] | None = None
     user: str | None = None
-    negative_prompt: Text | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: Guidance | None = None
-    true_cfg_scale: Guidance | None = None
-    seed: Seed | None = None
     strength: Strength | None = None
     # Streaming edits (``image_edit.*`` events) are not served: a 400, not a silent non-stream answer.
     stream: bool = False
@@ -263,7 +262,6 @@ class ImageEditRequest(OpenAIBaseModel):
     output_compression: None = None
 
     _prompt = field_validator("prompt")(_non_blank)
-    _size = field_validator("size")(_check_size)
 
     @field_validator("stream")
     @classmethod
@@ -344,7 +342,7 @@ class ImageChatCompletionRequest(_ImageFields):
         return self
 
 
-def _stage_params(req: _ImageFields | ImageEditRequest, width: int | None, height: int | None) -> TextToImageParams:
+def _stage_params(req: _DiffusionFields, width: int | None, height: int | None) -> TextToImageParams:
     """What the stages get of any of the three requests."""
     return TextToImageParams(
         n=req.n,
