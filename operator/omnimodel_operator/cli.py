@@ -53,8 +53,10 @@ def _run(args: argparse.Namespace) -> int:
     settings = OperatorSettings()
     namespaces = args.namespace or settings.namespaces
     kopf.configure(verbose=args.verbose)
-    # httpx logs every request at INFO: the operator logs what it changed, not each round trip.
-    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    # httpx (the scrapes) and httpx2 (lightkube's API calls) log every request at INFO: the operator logs
+    # what it changed, not each round trip.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     # kopf would retry a missing config or refused credentials forever without ever serving /healthz.
     try:
         preflight(namespaces, settings.api_startup_timeout)
@@ -64,8 +66,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from omnimodel_operator import handlers  # noqa: F401, PLC0415  (importing registers the handlers)
 
+    # Without --peering the operator runs alone (kopf's standalone mode). With it, kopf announces this
+    # process in the named KopfPeering (per watched namespace) or ClusterKopfPeering object, and pauses
+    # its watches while another live process of the same name is announced there, so that the two
+    # pods of a rolling upgrade never reconcile at once (see charts/omnimodel-operator/README.md).
     kopf.run(
-        standalone=True,
+        standalone=args.peering is None,
+        peering_name=args.peering,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
@@ -83,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="run the operator against the current kubeconfig/in-cluster config")
     p_run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
     p_run.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p_run.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="kopf peering object to announce this operator in (its CRDs and the object must exist); "
+        "without it the operator runs standalone",
+    )
     p_run.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
 

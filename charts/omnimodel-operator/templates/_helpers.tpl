@@ -173,3 +173,11 @@ true
 {{- end -}}
 {{- end -}}
 {{- end }}
+
+{{/*
+The kopf peering object's name (ClusterKopfPeering, or KopfPeering in each watched namespace): prefixed
+with the release namespace like the ClusterRole, so that two releases never share one and pause each other.
+*/}}
+{{- define "omnimodel-operator.peeringName" -}}
+{{- include "omnimodel-operator.clusterRoleName" . }}
+{{- end }}

@@ -91,3 +91,21 @@ the same name in different namespaces do not fight over one ClusterRole.
 {{- define "omnimodel-operator.clusterRoleName" -}}
 {{- printf "%s-%s" .Release.Namespace (include "omnimodel-operator.fullname" .) }}
 {{- end }}
+
+{{/*
+kopf peering (peering.enabled): read every peering object of the kind (kopf lists and watches them all)
+and patch this release's own, whose status carries the live operator pods. `kind` is ClusterKopfPeering's
+plural in cluster-wide mode, KopfPeering's in each watched namespace.
+*/}}
+{{- define "omnimodel-operator.rbac.peeringRules" -}}
+{{- $name := include "omnimodel-operator.peeringName" .root -}}
+# kopf's peering watcher: notices other operator pods of this release announcing themselves.
+- apiGroups: ["kopf.dev"]
+  resources: [{{ .plural | quote }}]
+  verbs: ["list", "watch"]
+# kopf's keep-alive: this pod's entry in the release's own peering object, removed on exit.
+- apiGroups: ["kopf.dev"]
+  resources: [{{ .plural | quote }}]
+  resourceNames: [{{ $name | quote }}]
+  verbs: ["patch"]
+{{- end }}

@@ -126,6 +126,12 @@ def expected_namespaced_rules() -> dict[tuple[str, str], set[str]]:
 
 CRD_RULE = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
 NAMESPACE_RULE = {("", "namespaces"): {"list", "watch"}}
+PEERING = CLUSTER_ROLE  # the kopf peering object's name
+# kopf peering: list and watch the peering objects, patch the release's own (keep-alives).
+CLUSTER_PEERING_RULE = {("kopf.dev", "clusterkopfpeerings"): {"list", "watch", "patch"}}
+PEERING_RULE = {("kopf.dev", "kopfpeerings"): {"list", "watch", "patch"}}
+# The `helm test` hook's own account, Role and RoleBinding, and its Job.
+TEST_HOOK_KINDS = ["ServiceAccount", "Role", "RoleBinding", "Job"]
 
 
 # ------------------------------------------------------------------------------------------- lint, files
@@ -161,11 +167,11 @@ def test_default_render_has_exactly_the_operator_objects(render: Render) -> None
     assert kinds(manifests) == sorted(
         [
             "ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Deployment",
-            "Service", "Job",
+            "Service", "ClusterKopfPeering", *TEST_HOOK_KINDS,
         ]
     )  # fmt: skip
     for m in manifests:
-        if m["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+        if m["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
             assert m["metadata"]["namespace"] == NAMESPACE, m["kind"]
 
 
@@ -173,14 +179,22 @@ def test_deployment_runs_one_operator_with_kopf_health_probes(render: Render) ->
     manifests = render()
     deployment = find(manifests, "Deployment", FULLNAME)
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Rolling: the old operator stays until the new pod is ready; kopf peering keeps them from acting at once.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = deployment["spec"]["template"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert pod["spec"]["serviceAccountName"] == FULLNAME
     container = operator_container(manifests)
     assert container["image"] == f"ghcr.io/omnimodel/omnimodel-operator:{__version__}"
     assert container["command"] == ["omnimodel-operator"]
-    assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz", f"--peering={PEERING}"]
+    # kopf's peering identity: the pod's name.
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    peering = find(manifests, "ClusterKopfPeering", PEERING)
+    assert peering["apiVersion"] == "kopf.dev/v1" and "status" not in peering
     assert container["ports"] == [
         {"name": "health", "containerPort": 8080, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
@@ -261,7 +275,7 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
     assert settings.health_port == 9090
     assert settings.metrics_port == 9091
     assert settings.image_pull_policy == "IfNotPresent"
-    assert container["args"] == ["run", "--liveness=http://0.0.0.0:9090/healthz", "--verbose"]
+    assert container["args"] == ["run", "--liveness=http://0.0.0.0:9090/healthz", f"--peering={PEERING}", "--verbose"]
     assert [p["containerPort"] for p in container["ports"]] == [9090, 9091]
 
 
@@ -387,11 +401,14 @@ def test_crds_disabled_renders_no_crd(render: Render) -> None:
 def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(render: Render) -> None:
     manifests = render()
     role = find(manifests, "ClusterRole", CLUSTER_ROLE)
-    assert rules_of(role) == {**expected_namespaced_rules(), **CRD_RULE}
+    assert rules_of(role) == {**expected_namespaced_rules(), **CRD_RULE, **CLUSTER_PEERING_RULE}
     binding = find(manifests, "ClusterRoleBinding", CLUSTER_ROLE)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CLUSTER_ROLE}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
-    assert "Role" not in kinds(manifests) and "RoleBinding" not in kinds(manifests)
+    # The only Role and RoleBinding are the `helm test` hook's.
+    assert [m["metadata"]["name"] for m in manifests if m["kind"] in ("Role", "RoleBinding")] == [
+        f"{FULLNAME}-test"
+    ] * 2
 
 
 def test_watch_namespaces_get_a_role_each_and_a_small_cluster_role(render: Render) -> None:
@@ -399,11 +416,13 @@ def test_watch_namespaces_get_a_role_each_and_a_small_cluster_role(render: Rende
     assert rules_of(find(manifests, "ClusterRole", CLUSTER_ROLE)) == {**CRD_RULE, **NAMESPACE_RULE}
     for ns in ("ml", "team-a"):
         role = find(manifests, "Role", FULLNAME, ns)
-        assert rules_of(role) == expected_namespaced_rules()
+        assert rules_of(role) == {**expected_namespaced_rules(), **PEERING_RULE}
+        assert find(manifests, "KopfPeering", PEERING, ns)["apiVersion"] == "kopf.dev/v1"
         binding = find(manifests, "RoleBinding", FULLNAME, ns)
         assert binding["roleRef"]["name"] == FULLNAME and binding["roleRef"]["kind"] == "Role"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
-    assert kinds(manifests).count("Role") == 2
+    assert kinds(manifests).count("Role") == 3  # and the `helm test` hook's
+    assert "ClusterKopfPeering" not in kinds(manifests)
     env = env_of(operator_container(manifests))
     assert json.loads(env["OMNIMODEL_NAMESPACES"]) == ["ml", "team-a"]
 
@@ -429,7 +448,9 @@ def test_rbac_rules_are_commented_by_purpose() -> None:
 
 def test_existing_service_account_and_no_rbac(render: Render) -> None:
     manifests = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}})
-    assert kinds(manifests) == ["CustomResourceDefinition", "Deployment", "Job", "Service"]
+    assert kinds(manifests) == sorted(
+        ["CustomResourceDefinition", "Deployment", "Service", "ClusterKopfPeering", *TEST_HOOK_KINDS]
+    )
     assert find(manifests, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
 
 
@@ -513,23 +534,72 @@ def test_metrics_port_must_differ_from_the_health_port(render_error: RenderError
     assert "need a port each" in render_error({"metrics": {"port": 9090}, "operator": {"healthPort": 9090}})
 
 
-def test_helm_test_job_checks_crd_and_access_with_the_operator_account(render: Render) -> None:
+def test_helm_test_job_reconciles_an_omnimodel_with_an_account_of_its_own(render: Render) -> None:
     manifests = render(VALUE_SETS["namespaced"])
+    test = f"{FULLNAME}-test"
     job = find(manifests, "Job")
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "test"
     pod = job["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == FULLNAME
+    assert pod["serviceAccountName"] == test
     assert pod["restartPolicy"] == "Never"
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert env_of(container) == {"OMNIMODEL_TEST_NAMESPACE": "ml"}
+    assert env_of(container) == {
+        "OMNIMODEL_TEST_NAMESPACE": "ml",
+        "OMNIMODEL_TEST_NAME": "omni-helm-test",
+        "OMNIMODEL_TEST_TIMEOUT": "120",
+    }
+    assert float(env_of(container)["OMNIMODEL_TEST_TIMEOUT"]) < job["spec"]["activeDeadlineSeconds"]
     script = container["command"][2]
     compile(script, "helm-test", "exec")  # a syntax error would only show in the cluster
-    assert C.CRD_NAME in script
+    assert "observedGeneration" in script
+    # Its RBAC: hooks created before the Job, in the watched namespace, for its OmniModel only.
+    for kind, ns in (("ServiceAccount", NAMESPACE), ("Role", "ml"), ("RoleBinding", "ml")):
+        hook = find(manifests, kind, test, ns)
+        assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert int(hook["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0
+    assert rules_of(find(manifests, "Role", test, "ml")) == {
+        (C.GROUP, C.PLURAL): {"create", "get", "delete"},
+        ("apps", "deployments"): {"list"},
+    }
+    assert find(manifests, "RoleBinding", test, "ml")["subjects"] == [
+        {"kind": "ServiceAccount", "name": test, "namespace": NAMESPACE}
+    ]
     # Never selected by the operator Deployment.
     selector = find(manifests, "Deployment")["spec"]["selector"]["matchLabels"]
     assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_helm_test_in_cluster_wide_mode_uses_the_release_namespace(render: Render) -> None:
+    manifests = render()
+    assert env_of(find(manifests, "Job")["spec"]["template"]["spec"]["containers"][0])["OMNIMODEL_TEST_NAMESPACE"] == (
+        NAMESPACE
+    )
+    assert find(manifests, "Role", f"{FULLNAME}-test")["metadata"]["namespace"] == NAMESPACE
+
+
+def test_peering_disabled_is_standalone_and_recreate(render: Render) -> None:
+    manifests = render({"peering": {"enabled": False}})
+    assert find(manifests, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    container = operator_container(manifests)
+    assert not [a for a in container["args"] if a.startswith("--peering")]
+    assert "POD_ID" not in {e["name"] for e in container["env"]}
+    assert "ClusterKopfPeering" not in kinds(manifests)
+    assert ("kopf.dev", "clusterkopfpeerings") not in rules_of(find(manifests, "ClusterRole", CLUSTER_ROLE))
+
+
+def test_peering_crds_are_kopfs_in_the_crds_folder() -> None:
+    """Helm installs crds/ before the templates (whose peering object needs them) and never deletes them."""
+    docs = list(yaml.safe_load_all((CHART / "crds" / "kopf-peering.yaml").read_text()))
+    assert {(d["spec"]["names"]["kind"], d["spec"]["scope"]) for d in docs} == {
+        ("ClusterKopfPeering", "Cluster"),
+        ("KopfPeering", "Namespaced"),
+    }
+    for d in docs:
+        assert d["spec"]["group"] == "kopf.dev" and [v["name"] for v in d["spec"]["versions"]] == ["v1"]
+        # No status subresource: kopf patches `status` through the object, which is what the RBAC grants.
+        assert "subresources" not in d["spec"]["versions"][0]
 
 
 # ------------------------------------------------------------------------------------------- naming
@@ -554,8 +624,8 @@ def test_rendered_manifests_validate_against_kubernetes_schemas(render: Render, 
 
     validate = kubernetes_validate.validate
     for manifest in render(VALUE_SETS[values]):
-        # Not a Kubernetes kind (Prometheus Operator CRD): checked field by field by its own tests.
-        if manifest["apiVersion"].startswith("monitoring.coreos.com/"):
+        # Not Kubernetes kinds (Prometheus Operator's and kopf's CRDs): checked field by field by their own tests.
+        if manifest["apiVersion"].startswith(("monitoring.coreos.com/", "kopf.dev/")):
             continue
         validate(manifest, KUBE_VERSION, strict=True)
 
