@@ -794,6 +794,10 @@ class PodRunner:
             # The pod runs in its own directory: a relative entry (`PYTHONPATH=operator:runtime:e2e`, this
             # checkout's code) would name nothing there, and the venv's installed copy would run instead.
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        if is_vllm_omni(container):
+            # The vLLM-Omni env's own Python, never this checkout's (its pins conflict); the container's own
+            # PYTHONPATH (below) still applies, as in its image.
+            env.pop("PYTHONPATH", None)
         container_env = self._container_env(pod, container)
         for key, value in container_env.items():
             env[key] = host_path(value)
@@ -814,8 +818,7 @@ class PodRunner:
         argv = [str(exe) if exe.exists() else argv[0], *args]
         env.update(self.extra_env)
         if vllm_omni:
-            # The vLLM-Omni env's own Python and tools, never this checkout's (its pins conflict).
-            env.pop("PYTHONPATH", None)
+            # The vLLM-Omni env's own tools, never this checkout's.
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
             env.update(VLLM_OMNI_CPU_ENV)
 

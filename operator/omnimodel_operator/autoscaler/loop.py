@@ -128,6 +128,33 @@ class Autoscaler:
             await self.scale(key)
         except Exception:
             log.exception(f"Autoscaling OmniModel {key[0]}/{key[1]} failed")
+        try:
+            await self.membership(key)
+        except Exception:
+            log.exception(f"Reading the vLLM-Omni head of OmniModel {key[0]}/{key[1]} failed")
+
+    async def membership(self, key: Key) -> None:
+        """vLLM-Omni only: record which replica pods the head routes to (vllm_omni/membership.py), before
+        scaling reads it: a scale-down must never count a replica the head has already dropped."""
+        namespace, name = key
+        body = self.source.omnimodel(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            plan = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
+        except InvalidSpec:
+            return
+        if not isinstance(plan, VllmPlan):
+            return
+        from omnimodel_operator.builders.vllm_omni import head_deployment_name  # noqa: PLC0415
+        from omnimodel_operator.vllm_omni.membership import publish  # noqa: PLC0415
+        from omnimodel_operator.vllm_omni.restarts import is_head_pod, is_replica_pod  # noqa: PLC0415
+
+        observed = self.source.observed(namespace, name)
+        await publish(
+            self.client, self.http, plan, observed.objects.get(("Deployment", head_deployment_name(plan))),
+            [p for p in observed.pods if is_head_pod(p)], [p for p in observed.pods if is_replica_pod(p)],
+        )  # fmt: skip
 
     async def scale(self, key: Key) -> list[Decision]:
         namespace, name = key

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from typing import Any, Final
 
 import yaml
@@ -39,6 +40,7 @@ from omnimodel_operator.builders.common import (
     runtime_env,
     scratch_volumes,
     service_account,
+    stage_resources,
     tolerations_list,
 )
 from omnimodel_operator.settings import OperatorSettings
@@ -62,6 +64,14 @@ DEPLOY_DIR: Final = C.PIPELINE_MOUNT_DIR
 # stage-init-timeout for every stage's first replica.
 STARTUP_SECONDS: Final = 1800
 API_KEY_SECRET_KEY: Final = "api-key"  # noqa: S105  (the name of a Secret key, not a secret)
+# Shipped beside the deploy file (vllm_omni/podfiles): the head's membership and drain endpoints, loaded by
+# Python from PYTHONPATH, and the replicas' probe and preStop, which ask the head about their own pod IP.
+SHIM_FILE: Final = "sitecustomize.py"
+PROBE_FILE: Final = "omnimodel_probe.py"
+# A replica's preStop waits at most this long for its requests to finish (then SIGTERM detaches it); the
+# grace period covers it and vLLM-Omni's own shutdown.
+DRAIN_SECONDS: Final = 30
+TERMINATION_GRACE_SECONDS: Final = 90
 
 # The head's liveness probe for configs whose entry stage answers text: /health, then a one-token, text-only
 # chat through the orchestrator. vLLM-Omni 0.30.0's /health stays 200 when the orchestrator is wedged (a
@@ -96,6 +106,10 @@ def master_host(plan: VllmPlan) -> str:
     return f"{naming.dns_label(plan.name, 'master')}.{plan.namespace}.svc"
 
 
+def head_deployment_name(plan: VllmPlan) -> str:
+    return naming.stage_name(plan.name, plan.head.name)
+
+
 def replica_deployment_name(plan: VllmPlan, sp: VllmStagePlan) -> str:
     """The head's stage keeps ``<cr>-<stage>`` for the head; its extra replicas get their own name."""
     if sp.stage.id == plan.head.stage.id:
@@ -118,13 +132,18 @@ def deploy_configmap(plan: VllmPlan) -> Manifest:
         "metadata": metadata(
             plan, naming.pipeline_configmap_name(plan.name), naming.common_labels(plan.name, C.COMPONENT_PIPELINE)
         ),
-        "data": {DEPLOY_FILE: text},
+        "data": {DEPLOY_FILE: text, SHIM_FILE: _podfile(SHIM_FILE), PROBE_FILE: _podfile(PROBE_FILE)},
     }
+
+
+def _podfile(name: str) -> str:
+    return resources.files("omnimodel_operator.vllm_omni.podfiles").joinpath(name).read_text()
 
 
 def _deploy_volume(plan: VllmPlan) -> tuple[dict[str, Any], dict[str, Any]]:
     mount = {"name": "deploy", "mountPath": DEPLOY_DIR, "readOnly": True}
-    ours = {"name": naming.pipeline_configmap_name(plan.name), "items": [{"key": DEPLOY_FILE, "path": DEPLOY_FILE}]}
+    items = [{"key": key, "path": key} for key in (DEPLOY_FILE, SHIM_FILE, PROBE_FILE)]
+    ours = {"name": naming.pipeline_configmap_name(plan.name), "items": items}
     ref = plan.spec.runtime.deploy_config_ref
     if ref is None:
         return {"name": "deploy", "configMap": ours}, mount
@@ -163,7 +182,11 @@ def _env(plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings) -> list[
     return merge_env(
         runtime_env(plan),
         hub,
-        [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # sitecustomize.py of the mounted ConfigMap: the head's /omnimodel/replicas and /omnimodel/drain.
+            {"name": "PYTHONPATH", "value": DEPLOY_DIR},
+        ],
         [{"name": k, "value": v} for k, v in acc.env().items()],
         [{"name": k, "value": v} for k, v in settings.vllm_omni_env.items()],
         env_list(sp.spec.env if sp.spec else None),
@@ -186,7 +209,7 @@ def _pod(
         "containers": [container],
         "volumes": extra_volumes,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
     }
     node_selector = {
         **(acc.node_selector(acc_request) if acc_request is not None else {}),
@@ -205,7 +228,6 @@ def _pod(
 def _engine_container(
     plan: VllmPlan, sp: VllmStagePlan, args: list[str], settings: OperatorSettings, *, head: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    acc = accelerator_for(sp.accelerator.vendor)
     deploy_vol, deploy_mount = _deploy_volume(plan)
     cache_vol, cache_mount = model_cache_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
@@ -219,9 +241,7 @@ def _engine_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "resources": resources_dict(
-            sp.spec.resources if sp.spec else None, acc.resources(sp.accelerator), settings.stage_requests
-        ),
+        "resources": stage_resources(sp.spec.resources if sp.spec else None, sp.accelerator, settings),
         "volumeMounts": [deploy_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
     }
@@ -245,6 +265,15 @@ def _engine_container(
                 }
             )
         container.update(_head_probes(plan))
+    else:
+        env.extend(
+            [
+                {"name": "OMNIMODEL_STAGE_ID", "value": str(sp.stage.id)},
+                {"name": "OMNIMODEL_HEAD_URL", "value": f"http://{master_host(plan)}:{API_PORT}"},
+                {"name": "OMNIMODEL_DRAIN_SECONDS", "value": str(DRAIN_SECONDS)},
+            ]
+        )
+        container.update(_replica_probes())
     return container, [deploy_vol, cache_vol, *source_vols, *scratch_vols]
 
 
@@ -266,6 +295,26 @@ def _head_probes(plan: VllmPlan) -> dict[str, Any]:
     else:
         probes["livenessProbe"] = {**health, "periodSeconds": 10, "failureThreshold": 3}
     return probes
+
+
+def _replica_probes() -> dict[str, Any]:
+    """A replica serves only through the head, so each probe asks the head about this pod
+    (podfiles/omnimodel_probe.py): ready = registered, heartbeat current, not draining; live =
+    registered (0.30 never takes back a replica it detached, nor does a new head process take the old
+    replicas: a restarted container registers anew). preStop drains it before SIGTERM detaches it."""
+
+    def probe(mode: str) -> dict[str, Any]:
+        return {"exec": {"command": ["python3", f"{DEPLOY_DIR}/{PROBE_FILE}", mode]}, "timeoutSeconds": 10}
+
+    return {
+        # Loading weights, then registering: the head's own start-up can take as long.
+        "startupProbe": {**probe("live"), "periodSeconds": 5, "failureThreshold": STARTUP_SECONDS // 5},
+        "readinessProbe": {**probe("ready"), "periodSeconds": 5, "failureThreshold": 1},
+        # Three misses: a head restarting (its API is down until every stage has a replica) restarts the
+        # replicas, which is what 0.30 needs for them to register with the new head process.
+        "livenessProbe": {**probe("live"), "periodSeconds": 10, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"exec": {"command": ["python3", f"{DEPLOY_DIR}/{PROBE_FILE}", "drain"]}}},
+    }
 
 
 def _deployment(
@@ -402,7 +451,7 @@ def mooncake(plan: VllmPlan, settings: OperatorSettings) -> list[Manifest]:
             {"name": "rpc", "containerPort": MOONCAKE_RPC_PORT, "protocol": "TCP"},
             {"name": "metadata", "containerPort": MOONCAKE_METADATA_PORT, "protocol": "TCP"},
         ],
-        "resources": resources_dict(None, {}, settings.gateway_requests),
+        "resources": resources_dict(None, settings.gateway_requests, settings.limit_ratios),
         "securityContext": container_security_context(),
         "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5},
     }

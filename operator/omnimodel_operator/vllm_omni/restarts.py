@@ -1,20 +1,19 @@
-"""Keeping vLLM-Omni 0.30.0's head and replicas together across restarts (its bugs, our controller).
+"""Keeping vLLM-Omni 0.30.0's replicas with their head across head restarts (its bug, our controller).
 
-Measured on the test bed (``e2e/vllm-omni/README.md``, ``docs/vllm-omni.md``): a replica that dies can
-wedge the head (requests time out while ``/health`` says 200, and a new replica does not help), and
-after a head restart the old replicas neither re-register nor exit. So the operator ties them together,
-from what it sees of the pods, and records what it saw on its own Deployments:
+Measured on the test bed (``docs/vllm-omni.md``): after a head restart the old replicas neither
+re-register nor exit, so the new head waits for them in vain. The operator records on the replica
+Deployments (metadata annotation) the head process their pods registered with; when the running head is
+another process (restarted, rescheduled), their restart epoch (a pod-template annotation) goes up, so every
+replica restarts and registers with the new head. (Their liveness probe, which asks the head whether it
+has this pod, does the same where the kubelet runs probes; this rule also covers clusters where it has
+not failed yet.)
 
-- the replica Deployments carry (metadata annotation) the head process their pods registered with;
-  when the running head is another process (restarted, rescheduled), their restart epoch (a pod-template
-  annotation) goes up, so every replica restarts and registers with the new head;
-- the head Deployment carries the replica processes it has had (pods of the current replica epoch
-  that were running); when one of them is gone or restarted, the head's restart epoch goes up, so the
-  head restarts, and with it (rule one) every replica.
-
-A head's first process adopts whatever replicas start with it; nothing restarts at creation.
-Scaling a stage down therefore restarts the graph under 0.30.0: documented, and the price of never
-serving from a wedged head.
+A replica that goes away (scaled down, evicted, killed) no longer restarts the head: a replica that
+stops sends DOWN and the head detaches it within a second, and one that dies is detached after its
+heartbeat timeout; the other replicas keep serving either way (``docs/vllm-omni.md``, "Scaling without
+an outage"). The head's record of the replica processes it has had (``REPLICA_PODS``) is kept for
+``kubectl describe``, not acted on. A head's first process adopts whatever replicas start with it;
+nothing restarts at creation.
 """
 
 from __future__ import annotations
@@ -90,20 +89,12 @@ def restart_marks(
         recorded = now
 
     head_epoch = _epoch(_annotation(head, EPOCH, template=True))
-    seen = {s for s in (_annotation(head, REPLICA_PODS, template=False) or "").split(",") if s}
     current = {
         f"{replica_epoch}/{incarnation(p)}"
         for p in replica_pods
         if _running(p) and (p["metadata"].get("annotations") or {}).get(EPOCH) == str(replica_epoch)
     }
-    epoch_prefix = f"{replica_epoch}/"
-    lost = {s for s in seen if s.startswith(epoch_prefix)} - current
-    if lost:
-        # A replica the head had is gone: restart the head (and, through its new process, the replicas).
-        head_epoch += 1
-        seen = set()
-    else:
-        seen = {s for s in seen if s.startswith(epoch_prefix)} | current
+    seen = current
     return RestartMarks(
         head_template={EPOCH: str(head_epoch)},
         head_metadata={REPLICA_PODS: ",".join(sorted(seen))},

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from omnimodel_operator import conditions as cond
 from omnimodel_operator import naming
 from omnimodel_operator.builders.vllm_omni import head_selector, replica_deployment_name
 from omnimodel_operator.status import ComponentState, combine, component_state
+from omnimodel_operator.vllm_omni.membership import ANNOTATION, Membership, StageMembers
 from omnimodel_operator.vllm_omni.plan import VllmPlan
+from omnimodel_operator.vllm_omni.restarts import is_replica_pod
 
 Manifest = dict[str, Any]
 
@@ -27,16 +31,54 @@ def vllm_components(
     head = component_state(
         plan.head.name, current.get(("Deployment", naming.stage_name(plan.name, plan.head.name))), head_pods
     )
+    head_deployment = current.get(("Deployment", naming.stage_name(plan.name, plan.head.name)))
+    membership = Membership.from_annotation(
+        ((head_deployment or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION)
+    )
     stages = []
     for sp in plan.stages:
         mine = [p for p in pods if _matches(p, naming.stage_selector(plan.name, sp.name))]
         replicas = current.get(("Deployment", replica_deployment_name(plan, sp)))
+        part = component_state(sp.name, replicas, mine)
+        if membership is not None and head.is_ready:
+            part = registered_only(part, mine, membership.stages.get(sp.name, StageMembers()))
         if sp.stage.id == plan.head.stage.id:
-            parts = [head] + ([component_state(sp.name, replicas, mine)] if (sp.replicas or 1) > 1 else [])
-            stages.append(combine(sp.name, parts))
+            stages.append(combine(sp.name, [head] + ([part] if (sp.replicas or 1) > 1 else [])))
         else:
-            stages.append(component_state(sp.name, replicas, mine))
+            stages.append(part)
     gateway = component_state(
         "gateway", current.get(("Deployment", naming.stage_name(plan.name, plan.head.name))), head_pods
     )
     return stages, gateway
+
+
+def registered_only(state: ComponentState, pods: Sequence[Manifest], members: StageMembers) -> ComponentState:
+    """A ready replica pod counts only when the head has it registered (its probes say the same where the
+    kubelet runs them). One the head detached while it runs is lost capacity (Degraded names the stage);
+    one not registered yet is still starting."""
+    ready = [p for p in pods if _pod_ready(p) and is_replica_pod(p)]  # the head's own replica is the head
+    lost = [p for p in ready if (p.get("status") or {}).get("podIP") in members.lost]
+    unregistered = [p for p in ready if (p.get("status") or {}).get("podIP") not in members.registered]
+    if not unregistered:
+        return state
+    names = ", ".join(sorted(p["metadata"]["name"] for p in unregistered))
+    n = len(unregistered)
+    if lost:
+        message = f"{state.name}: {len(lost)} replica(s) detached by the vLLM-Omni head: {names}"
+    else:
+        message = f"{state.name}: {n} replica(s) not registered with the vLLM-Omni head yet: {names}"
+    return dataclasses.replace(
+        state,
+        ready=max(state.ready - n, 0),
+        available=max(state.available - n, 0),
+        reason=cond.PODS_NOT_READY if lost else (state.reason or cond.UPDATING),
+        message="; ".join(m for m in (state.message, message) if m),
+        degraded=state.degraded or bool(lost),
+    )
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

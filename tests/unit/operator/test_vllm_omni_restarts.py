@@ -1,6 +1,6 @@
-"""The head and its replicas restart together (vLLM-Omni 0.30.0: a lost replica can wedge the head; a
-restarted head is never rejoined by the old replicas), decided from live pods, with nothing restarted
-at creation and no restart loop."""
+"""Replicas follow a new head process (vLLM-Omni 0.30.0: a restarted head is never rejoined by the old
+replicas), a lost replica restarts nothing, decided from live pods, with nothing restarted at creation
+and no restart loop."""
 
 from __future__ import annotations
 
@@ -53,20 +53,21 @@ def test_a_restarted_head_restarts_the_replicas_once() -> None:
     assert again.head_metadata[REPLICA_PODS] == "1/r2:0"
 
 
-def test_a_lost_replica_restarts_the_head_then_the_replicas_and_settles() -> None:
+def test_a_lost_replica_leaves_the_head_alone_and_a_new_head_restarts_the_replicas_once() -> None:
     head, replica = live(restart_marks(None, [None], [pod("h1")], []))
     head, replica = live(restart_marks(head, [replica], [pod("h1")], [pod("r1", epoch=0), pod("r2", epoch=0)]))
-    lost = restart_marks(head, [replica], [pod("h1")], [pod("r2", epoch=0)])  # r1 was killed
-    assert lost.head_template[EPOCH] == "1"
+    # r1 went away (scaled down, killed): the head keeps serving with r2; nothing restarts.
+    lost = restart_marks(head, [replica], [pod("h1")], [pod("r2", epoch=0)])
+    assert (lost.head_template[EPOCH], lost.replica_template[EPOCH]) == ("0", "0")
+    assert lost.head_metadata[REPLICA_PODS] == "0/r2:0"
     head, replica = live(lost)
-    # The new head process (Recreate: a new pod) comes up: the replicas restart to register with it.
-    new_head = restart_marks(head, [replica], [pod("h2", created="t1")], [pod("r2", epoch=0), pod("r3", epoch=0)])
-    assert (new_head.head_template[EPOCH], new_head.replica_template[EPOCH]) == ("1", "1")
+    # A new head process (its pod deleted: Recreate makes a new one): the replicas restart to register with it.
+    new_head = restart_marks(head, [replica], [pod("h2", created="t1")], [pod("r2", epoch=0)])
+    assert (new_head.head_template[EPOCH], new_head.replica_template[EPOCH]) == ("0", "1")
     head, replica = live(new_head)
     settled = restart_marks(head, [replica], [pod("h2", created="t1")], [pod("r4", epoch=1), pod("r5", epoch=1)])
-    assert (settled.head_template[EPOCH], settled.replica_template[EPOCH]) == ("1", "1")
+    assert (settled.head_template[EPOCH], settled.replica_template[EPOCH]) == ("0", "1")
     head, replica = live(settled)
-    # Old-epoch pods going away while the new ones roll in are not losses: no loop.
     still = restart_marks(head, [replica], [pod("h2", created="t1")], [pod("r4", epoch=1), pod("r5", epoch=1)])
     assert still == settled
 
