@@ -40,7 +40,6 @@ from omnimodel_operator.builders.common import (
     runtime_env,
     scratch_volumes,
     service_account,
-    stage_resources,
     tolerations_list,
 )
 from omnimodel_operator.settings import OperatorSettings
@@ -241,7 +240,9 @@ def _engine_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "resources": stage_resources(sp.spec.resources if sp.spec else None, sp.accelerator, settings),
+        "resources": resources_dict(
+            sp.spec.resources if sp.spec else None, acc.resources(sp.accelerator), settings.stage_requests
+        ),
         "volumeMounts": [deploy_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
     }
@@ -451,7 +452,7 @@ def mooncake(plan: VllmPlan, settings: OperatorSettings) -> list[Manifest]:
             {"name": "rpc", "containerPort": MOONCAKE_RPC_PORT, "protocol": "TCP"},
             {"name": "metadata", "containerPort": MOONCAKE_METADATA_PORT, "protocol": "TCP"},
         ],
-        "resources": resources_dict(None, settings.gateway_requests, settings.limit_ratios),
+        "resources": resources_dict(None, {}, settings.gateway_requests),
         "securityContext": container_security_context(),
         "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5},
     }
