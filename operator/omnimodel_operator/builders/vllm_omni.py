@@ -227,6 +227,7 @@ def _pod(
 def _engine_container(
     plan: VllmPlan, sp: VllmStagePlan, args: list[str], settings: OperatorSettings, *, head: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    acc = accelerator_for(sp.accelerator.vendor)
     deploy_vol, deploy_mount = _deploy_volume(plan)
     cache_vol, cache_mount = model_cache_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
