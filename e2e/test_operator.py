@@ -457,7 +457,7 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
     """Server defaulting, omitempty and normalised quantities must not make a pass re-apply
     (DESIGN §8: writes = 0); with the cache current, a pass sends no request at all."""
     from omnimodel_operator.api.v1alpha1 import AutoscalerStatus
-    from omnimodel_operator.kube import HttpKube, load_connection
+    from omnimodel_operator.kube import LightKube, load_config
     from omnimodel_operator.reconcile import reconcile
     from omnimodel_operator.settings import OperatorSettings
     from omnimodel_testbed.registry import RegistryImages
@@ -467,7 +467,7 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
         provide_cache(kube, doc, tmp_path)
     for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
         kube.wait_ready(name)
-    client = HttpKube(load_connection(str(kube.cluster.kubeconfig)))
+    client = LightKube(load_config(str(kube.cluster.kubeconfig)))
     counting = CountingKube(client)
     # The running operator's settings: the test bed's images for every vendor (support.Operator).
     assert kube.cluster.state is not None

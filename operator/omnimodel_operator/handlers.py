@@ -19,12 +19,20 @@ from omnimodel_operator import constants as C
 from omnimodel_operator.autoscaler.loop import Autoscaler
 from omnimodel_operator.cache import IndexCache, instance_of, owner_of, snapshot
 from omnimodel_operator.controller import Controller
-from omnimodel_operator.kube import HttpKube, load_connection
+from omnimodel_operator.kube import LightKube, load_config
+from omnimodel_operator.login import connection_info
 from omnimodel_operator.metrics import MetricsServer, OperatorMetrics
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.weights_progress import WeightsProgress
 
 OWNED = {C.LABEL_MANAGED_BY: C.MANAGED_BY}
+
+
+@kopf.on.login()
+async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    # Replaces kopf's built-in login, which runs no exec credential plugin: kopf connects with the
+    # same config and credentials as the operator's own client, fetched afresh after each 401.
+    return await connection_info(load_config(), trust_env=settings.networking.trust_env)
 
 
 @kopf.on.startup()
@@ -57,7 +65,7 @@ def start_metrics(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
 @kopf.on.startup()
 async def start_controller(memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
     """The indexes arrive as keyword arguments named after their functions below."""
-    client = HttpKube(load_connection())
+    client = LightKube(load_config())
     memo.client = client
     cache = IndexCache.from_kwargs(kwargs)
     controller = Controller(client, cache, memo.settings, memo.metrics, logger=logger)

@@ -1,26 +1,32 @@
 """Kubernetes writes (and the few reads the watch-fed cache cannot answer) behind a small interface.
 
-Watching is kopf's job (its watch streams feed the controller's cache); what is left is six verbs on a
-handful of kinds: server-side apply, get, list, delete, a status patch and Events. A thin async client
-over the REST API does exactly that, and component tests run the same reconcile against the in-memory
-fake in ``tests/support``.
+Watching is kopf's job (its watch streams feed the controller's cache); what is left is a few verbs on a
+handful of kinds: server-side apply, get, list, delete, a status patch, a scale and Events. lightkube does
+the HTTP and the credentials: kubeconfigs with client certificates, static tokens, token files and exec
+credential plugins (how EKS, GKE and AKS log in from outside the cluster), and the in-cluster
+ServiceAccount token, re-read when a request is refused with 401 because the kubelet rotated it (an exec
+plugin is run again on a 401 likewise). This module maps our verbs onto lightkube's generic resources
+(plain dicts in and out, whatever fields the API server returns) and its errors onto ``ApiError``.
+Component tests run the same reconcile against the in-memory fake in ``tests/support``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
-import ssl
-import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
-import httpx
-import yaml
+import httpx2
+from lightkube import ApiError as LightkubeApiError
+from lightkube import AsyncClient, ConfigError, KubeConfig
+from lightkube.config.client_adapter import user_auth
+from lightkube.config.kubeconfig import SingleConfig
+from lightkube.config.models import User
+from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
+from lightkube.types import CascadeType, PatchType
 
 Manifest = dict[str, Any]
 
@@ -42,6 +48,10 @@ RESOURCES: Final[Mapping[tuple[str, str], tuple[str, bool]]] = {
 }
 
 _IN_CLUSTER_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# lightkube's "all namespaces" for list; our protocol says it with an empty namespace.
+_ALL_NAMESPACES: Final = "*"
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -56,6 +66,14 @@ class ApiError(Exception):
     @property
     def transient(self) -> bool:
         return self.status in (0, 409, 429) or self.status >= 500
+
+
+class CredentialsError(ApiError):
+    """No request was sent: the credentials could not be had (an exec plugin that failed or printed no
+    token, a token file that is gone). Status 0, so a reconcile retries it: a plugin may recover."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, "CredentialsError", message)
 
 
 class KubeClient(Protocol):
@@ -80,144 +98,167 @@ class KubeClient(Protocol):
     ) -> Manifest: ...
 
 
-def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
-    plural, namespaced = RESOURCES[(api_version, kind)]
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    # An empty namespace on a namespaced kind means "across all namespaces" (list only).
-    ns = f"/namespaces/{namespace}" if namespaced and namespace else ""
-    return f"{base}{ns}/{plural}" + (f"/{name}" if name else "")
+# ------------------------------------------------------------------------------------ cluster config
 
 
-def _selector(labels: Mapping[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster and the user of one kubeconfig context (or of the in-cluster ServiceAccount), and
+    where they were read from, for messages."""
+
+    config: SingleConfig
+    source: str
+
+    @property
+    def server(self) -> str:
+        return self.config.cluster.server
 
 
-# --------------------------------------------------------------------------------------- real client
+def home_kubeconfig() -> Path:
+    return Path.home() / ".kube" / "config"
 
 
-@dataclass
-class Connection:
-    server: str
-    verify: ssl.SSLContext | bool
-    headers: dict[str, str] = field(default_factory=dict)
+def config_source(kubeconfig: str | None = None) -> str:
+    """Where ``load_config`` reads the config from, in its own order, for messages."""
+    if kubeconfig:
+        return kubeconfig
+    if env := os.environ.get("KUBECONFIG"):
+        return f"KUBECONFIG={env}"
+    if (_IN_CLUSTER_DIR / "token").exists():
+        return f"the in-cluster service account ({_IN_CLUSTER_DIR})"
+    return str(home_kubeconfig())
 
 
-def _materialise(data: str | None, path: str | None, tmp: Path, name: str) -> str | None:
-    """kubeconfigs carry certs inline (*-data, base64) or as paths; ssl wants files."""
-    if data:
-        target = tmp / name
-        target.write_bytes(base64.b64decode(data))
-        target.chmod(0o600)
-        return str(target)
-    return path
+def load_config(kubeconfig: str | None = None) -> ClusterConfig:
+    """``kubeconfig``, else ``$KUBECONFIG``, else the in-cluster ServiceAccount, else ``~/.kube/config``
+    (client-go's order: an explicit kubeconfig wins over the pod's account), at its current context.
 
-
-def load_connection(kubeconfig: str | None = None) -> Connection:
-    """In-cluster service account when running in a pod, else the kubeconfig's current context."""
+    Raises lightkube's ``ConfigError`` (or ``OSError``/``KeyError`` for a broken file) for a config it
+    cannot use, an ``auth-provider`` user included: that check runs here, not on the first request."""
+    source = config_source(kubeconfig)
     path = kubeconfig or os.environ.get("KUBECONFIG")
-    if not path and (_IN_CLUSTER_DIR / "token").exists():
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        ctx = ssl.create_default_context(cafile=str(_IN_CLUSTER_DIR / "ca.crt"))
-        token = (_IN_CLUSTER_DIR / "token").read_text().strip()
-        return Connection(f"https://{host}:{port}", ctx, {"Authorization": f"Bearer {token}"})
-    path = path or str(Path.home() / ".kube" / "config")
-    config = yaml.safe_load(Path(path).read_text())
-    current = config.get("current-context")
-    context = next(c["context"] for c in config["contexts"] if c["name"] == current)
-    cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
-    user: dict[str, Any] = next((u["user"] for u in config.get("users", []) if u["name"] == context.get("user")), {})
-    tmp = Path(tempfile.mkdtemp(prefix="omnimodel-kube-"))
-    base = Path(path).parent
-
-    def rel(p: str | None) -> str | None:
-        return str(base / p) if p and not os.path.isabs(p) else p
-
-    verify: ssl.SSLContext | bool = True
-    if cluster.get("insecure-skip-tls-verify"):
-        verify = False
+    if path:
+        loaded = KubeConfig.from_file(path)
+    elif (_IN_CLUSTER_DIR / "token").exists():
+        loaded = KubeConfig.from_service_account(_IN_CLUSTER_DIR)
     else:
-        ca = _materialise(
-            cluster.get("certificate-authority-data"), rel(cluster.get("certificate-authority")), tmp, "ca"
+        loaded = KubeConfig.from_file(home_kubeconfig())
+    config = loaded.get()
+    if config is None:  # get() raises rather than return None without a default; for mypy
+        raise ConfigError(f"no current context in {source}")
+    if config.user is None:  # a context without a user (a plain-http test server): no credentials
+        config = config._replace(user=User())
+    assert config.user is not None
+    if config.user.auth_provider:
+        name = config.user.auth_provider.get("name", "?")
+        raise ConfigError(
+            f"the user's auth-provider ({name}) is not supported, as in kubectl since 1.26: use the provider's "
+            "exec credential plugin (kubelogin for OIDC, gke-gcloud-auth-plugin for GKE)"
         )
-        verify = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
-    cert = _materialise(user.get("client-certificate-data"), rel(user.get("client-certificate")), tmp, "crt")
-    key = _materialise(user.get("client-key-data"), rel(user.get("client-key")), tmp, "key")
-    if cert and key and isinstance(verify, ssl.SSLContext):
-        verify.load_cert_chain(cert, key)
-    headers = {"Authorization": f"Bearer {user['token']}"} if user.get("token") else {}
-    return Connection(cluster["server"], verify, headers)
+    user_auth(config.user)  # raises now, not on the first request, for a user lightkube cannot serve
+    return ClusterConfig(config, source)
 
 
-class HttpKube:
-    """The real client: REST over httpx, one connection pool, JSON in and out."""
+# ------------------------------------------------------------------------------------------- client
 
-    def __init__(self, connection: Connection, timeout: float = 30.0, concurrency: int = 16) -> None:
-        # One request per pooled connection (HTTP/1.1); the semaphore queues the rest here instead
-        # of letting hundreds of concurrent reconciles time out waiting for the pool.
+_resources: dict[tuple[str, str], type[GenericNamespacedResource]] = {}
+
+
+def _resource(api_version: str, kind: str) -> type[GenericNamespacedResource]:
+    """lightkube's generic resource for a kind: objects stay plain dicts, nothing is dropped or
+    defaulted on the way. Made once per process (lightkube registers each class globally)."""
+    key = (api_version, kind)
+    if key not in _resources:
+        plural, _ = RESOURCES[key]
+        group, _, version = api_version.rpartition("/")
+        _resources[key] = create_namespaced_resource(group, version, kind, plural)
+    return _resources[key]
+
+
+def _http_error(err: httpx2.HTTPStatusError) -> ApiError:
+    """The API server's ``Status`` when it sent one, else the status line and the body as text (a plain
+    ``404 page not found`` for a resource it does not serve, a proxy's error page)."""
+    if isinstance(err, LightkubeApiError):
+        status = err.status
+        return ApiError(status.code or err.response.status_code, status.reason or "", status.message or "")
+    return ApiError(err.response.status_code, "", err.response.text)
+
+
+class LightKube:
+    """The real client: lightkube's async client, one connection pool, plain dicts in and out."""
+
+    def __init__(self, cluster: ClusterConfig, timeout: float = 30.0, concurrency: int = 16) -> None:
+        # The semaphore queues requests here beyond `concurrency` instead of letting hundreds of
+        # concurrent reconciles time out waiting for a pooled connection.
         self._limit = asyncio.Semaphore(concurrency)
-        self._client = httpx.AsyncClient(
-            base_url=connection.server,
-            verify=connection.verify,
-            headers={**connection.headers, "Accept": "application/json"},
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-        )
+        self.server = cluster.server
+        self._client = AsyncClient(cluster.config, timeout=httpx2.Timeout(timeout))
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _request(self, method: str, url: str, **kwargs: Any) -> Manifest:
+    async def _call(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
         try:
             async with self._limit:
-                resp = await self._client.request(method, url, **kwargs)
-        except (httpx.HTTPError, RuntimeError) as err:  # RuntimeError: client closed at shutdown
-            raise ApiError(0, type(err).__name__, f"{method} {url}: {err!r}") from err
-        if resp.status_code >= 400:
-            try:
-                body = resp.json()
-                raise ApiError(resp.status_code, body.get("reason", ""), body.get("message", resp.text))
-            except ValueError:
-                raise ApiError(resp.status_code, "", resp.text) from None
-        result: Manifest = resp.json()
-        return result
+                return await request()
+        except httpx2.HTTPStatusError as err:
+            raise _http_error(err) from err
+        except (httpx2.HTTPError, RuntimeError) as err:  # RuntimeError: client closed at shutdown
+            raise ApiError(0, type(err).__name__, f"{what}: {err!r}") from err
+        except (ConfigError, OSError, ValueError, KeyError) as err:
+            # Raised by the credential step before anything is sent: lightkube's ConfigError for an exec
+            # plugin that exited non-zero or a token file that is gone, OSError for a plugin that cannot
+            # be started, ValueError/KeyError for one that printed no ExecCredential with a token.
+            raise CredentialsError(f"{what}: {type(err).__name__}: {err}") from err
 
     async def apply(self, manifest: Manifest, field_manager: str) -> Manifest:
         meta = manifest["metadata"]
-        url = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
-        return await self._request(
-            "PATCH",
-            url,
-            params={"fieldManager": field_manager, "force": "true"},
-            content=json.dumps(manifest),
-            headers={"Content-Type": "application/apply-patch+yaml"},
+        res = _resource(manifest["apiVersion"], manifest["kind"])
+        applied = await self._call(
+            f"apply {manifest['kind']} {meta['namespace']}/{meta['name']}",
+            lambda: self._client.patch(
+                res,
+                meta["name"],
+                manifest,
+                namespace=meta["namespace"],
+                patch_type=PatchType.APPLY,
+                field_manager=field_manager,
+                force=True,
+            ),
         )
+        return dict(applied)
 
     async def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
-        body = await self._request(
-            "GET", _path(api_version, kind, namespace), params={"labelSelector": _selector(labels)}
-        )
-        items: list[Manifest] = body.get("items", [])
+        res = _resource(api_version, kind)
+
+        async def collect() -> list[Manifest]:
+            listing = self._client.list(res, namespace=namespace or _ALL_NAMESPACES, labels=dict(labels))
+            return [dict(item) async for item in listing]
+
+        items = await self._call(f"list {kind} in {namespace or 'all namespaces'}", collect)
         for item in items:  # list items omit these; builders and callers expect whole objects
             item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
         return items
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
+        res = _resource(api_version, kind)
         try:
-            return await self._request("GET", _path(api_version, kind, namespace, name))
+            found = await self._call(
+                f"get {kind} {namespace}/{name}", lambda: self._client.get(res, name, namespace=namespace)
+            )
         except ApiError as err:
             if err.status == 404:
                 return None
             raise
+        return dict(found)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        res = _resource(api_version, kind)
         try:
-            await self._request(
-                "DELETE",
-                _path(api_version, kind, namespace, name),
-                content=json.dumps({"propagationPolicy": "Background"}),
-                headers={"Content-Type": "application/json"},
+            await self._call(
+                f"delete {kind} {namespace}/{name}",
+                lambda: self._client.delete(res, name, namespace=namespace, cascade=CascadeType.BACKGROUND),
             )
         except ApiError as err:
             if err.status != 404:
@@ -226,30 +267,38 @@ class HttpKube:
     async def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]
     ) -> Manifest:
-        return await self._request(
-            "PATCH",
-            _path(api_version, kind, namespace, name) + "/status",
-            content=json.dumps({"status": status}),
-            headers={"Content-Type": "application/merge-patch+json"},
+        res = _resource(api_version, kind).Status
+        patched = await self._call(
+            f"patch {kind} {namespace}/{name} status",
+            lambda: self._client.patch(
+                res, name, {"status": dict(status)}, namespace=namespace, patch_type=PatchType.MERGE
+            ),
         )
+        return dict(patched)
 
     async def scale(
         self, api_version: str, kind: str, namespace: str, name: str, replicas: int, field_manager: str
     ) -> Manifest:
         """Set replicas through the scale subresource (as `kubectl scale` and HPAs do)."""
-        return await self._request(
-            "PATCH",
-            _path(api_version, kind, namespace, name) + "/scale",
-            params={"fieldManager": field_manager},
-            content=json.dumps({"spec": {"replicas": replicas}}),
-            headers={"Content-Type": "application/merge-patch+json"},
+        res = _resource(api_version, kind).Scale
+        scaled = await self._call(
+            f"scale {kind} {namespace}/{name}",
+            lambda: self._client.patch(
+                res,
+                name,
+                {"spec": {"replicas": replicas}},
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+                field_manager=field_manager,
+            ),
         )
+        return scaled.to_dict()
 
     async def create(self, manifest: Manifest) -> Manifest:
         meta = manifest["metadata"]
-        return await self._request(
-            "POST",
-            _path(manifest["apiVersion"], manifest["kind"], meta["namespace"]),
-            content=json.dumps(manifest),
-            headers={"Content-Type": "application/json"},
+        res = _resource(manifest["apiVersion"], manifest["kind"])
+        created = await self._call(
+            f"create {manifest['kind']} in {meta['namespace']}",
+            lambda: self._client.create(res(**manifest)),  # its metadata.namespace says where
         )
+        return dict(created)

@@ -6,9 +6,11 @@ every minute, forever, never serving ``/healthz``: probe kills, with the reason 
 credentials end, after seconds (401) or a minute (403), in a kopf traceback that blames a missing client
 library rather than the credentials. This check turns each into one error line and exit status 1:
 
-* no cluster config, or one that cannot be read: at once, naming every place that was looked at;
-* credentials refused (401) or not allowed to list OmniModels (403), or a server certificate that
-  fails verification: at once, in the API server's (or the TLS library's) words;
+* no cluster config, or one that cannot be read or used (an ``auth-provider`` user): at once, naming
+  every place that was looked at;
+* credentials refused (401) or not allowed to list OmniModels (403), credentials that cannot be had (an
+  exec plugin that fails), or a server certificate that fails verification: at once, in the API
+  server's (or the plugin's, or the TLS library's) words;
 * the API server unreachable, answering 5xx/429, or not serving OmniModels yet (404: the CRD is not
   established): retried for ``OperatorSettings.api_startup_timeout`` seconds, then the last error.
 """
@@ -22,10 +24,18 @@ import re
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from omnimodel_operator import constants as C
-from omnimodel_operator.kube import _IN_CLUSTER_DIR, ApiError, Connection, HttpKube, load_connection
+from omnimodel_operator.kube import (
+    _IN_CLUSTER_DIR,
+    ApiError,
+    ClusterConfig,
+    CredentialsError,
+    LightKube,
+    config_source,
+    home_kubeconfig,
+    load_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,35 +54,22 @@ def _words(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def _home_kubeconfig() -> Path:
-    return Path.home() / ".kube" / "config"
-
-
-def _source() -> str:
-    """Which config ``load_connection`` reads, in its own order, for messages."""
-    if kubeconfig := os.environ.get("KUBECONFIG"):
-        return f"KUBECONFIG={kubeconfig}"
-    if (_IN_CLUSTER_DIR / "token").exists():
-        return f"the in-cluster service account ({_IN_CLUSTER_DIR})"
-    return str(_home_kubeconfig())
-
-
-def connection() -> tuple[Connection, str]:
-    """The connection our own client uses (``kube.load_connection``) and where it came from."""
+def cluster_config() -> ClusterConfig:
+    """The cluster config our own client uses (``kube.load_config``), or a ``StartupError`` saying why not."""
     token = _IN_CLUSTER_DIR / "token"
     host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    home = _home_kubeconfig()
+    home = home_kubeconfig()
     if not (os.environ.get("KUBECONFIG") or (host and token.exists()) or home.exists()):
         raise StartupError(
             "no Kubernetes cluster config: not in a cluster (KUBERNETES_SERVICE_HOST "
             f"{'set' if host else 'unset'}, {token} {'present' if token.exists() else 'absent'}), "
             f"KUBECONFIG unset, {home} absent"
         )
-    source = _source()
+    source = config_source()
     try:
-        return load_connection(), source
+        return load_config()
     except Exception as err:
-        # Any failure here is final (a missing file, bad YAML, no current context, a bad CA...).
+        # Any failure here is final (a missing file, bad YAML, no current context, an auth-provider...).
         raise StartupError(
             f"cannot read the cluster config from {source}: {type(err).__name__}: {_words(err)}"
         ) from err
@@ -86,30 +83,39 @@ def _scopes(namespaces: Sequence[str]) -> list[str]:
 
 
 def _certificate_failure(err: BaseException) -> ssl.SSLCertVerificationError | None:
-    """The certificate check under an httpx connect error, if that is what failed (retrying cannot fix
+    """The certificate check under an HTTP connect error, if that is what failed (retrying cannot fix
     it; other TLS errors, such as a handshake cut short by a starting server, are retried)."""
+    visited: set[int] = set()
     seen: BaseException | None = err
-    while seen is not None:
+    # lightkube raises an HTTP status error from itself (`raise e from e`): a chain can loop.
+    while seen is not None and id(seen) not in visited:
         if isinstance(seen, ssl.SSLCertVerificationError):
             return seen
+        visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return None
 
 
-def _refusal(err: ApiError, conn: Connection, source: str, where: str) -> StartupError | None:
+def _refusal(err: ApiError, cluster: ClusterConfig, where: str) -> StartupError | None:
     """A ``StartupError`` when ``err`` is final, ``None`` when waiting may help."""
     listing = f"listing {C.PLURAL}.{C.GROUP} {where}"
+    server, source = cluster.server, cluster.source
     if err.status in (401, 403):
         return StartupError(
-            f"the API server at {conn.server} refused the credentials from {source} ({listing}): {_words(err)}"
+            f"the API server at {server} refused the credentials from {source} ({listing}): {_words(err)}"
+        )
+    if isinstance(err, CredentialsError):
+        # A plugin that fails at start is misconfigured or missing; waiting for it hides the reason.
+        return StartupError(
+            f"no credentials for the API server at {server} from {source}: {' '.join(err.message.split())}"
         )
     if bad_cert := _certificate_failure(err):
         return StartupError(
-            f"the API server at {conn.server} failed the TLS check (config from {source}): {_words(bad_cert)}"
+            f"the API server at {server} failed the TLS check (config from {source}): {_words(bad_cert)}"
         )
     if err.transient or err.status == 404:
         return None
-    return StartupError(f"the API server at {conn.server} rejected {listing}: {_words(err)}")
+    return StartupError(f"the API server at {server} rejected {listing}: {_words(err)}")
 
 
 @dataclass
@@ -121,9 +127,7 @@ class _Waiting:
     warned: bool = False
 
 
-async def _list_omnimodels(
-    client: HttpKube, conn: Connection, source: str, scopes: Sequence[str], waiting: _Waiting
-) -> None:
+async def _list_omnimodels(client: LightKube, cluster: ClusterConfig, scopes: Sequence[str], waiting: _Waiting) -> None:
     """List OmniModels in each scope, retrying what waiting may fix (no deadline of its own)."""
     for scope in scopes:
         waiting.where = f"in namespace {scope}" if scope else "cluster-wide"
@@ -133,31 +137,31 @@ async def _list_omnimodels(
                 await client.list(C.API_VERSION, C.KIND, scope, {})
                 break
             except ApiError as err:
-                if (refused := _refusal(err, conn, source, waiting.where)) is not None:
+                if (refused := _refusal(err, cluster, waiting.where)) is not None:
                     raise refused from err
                 waiting.last = _words(err) + (f" (is the {C.CRD_NAME} CRD installed?)" if err.status == 404 else "")
             if not waiting.warned:  # once: an API server still starting beside the operator is normal
-                logger.warning(f"API server at {conn.server} not ready yet ({waiting.last}); retrying")
+                logger.warning(f"API server at {cluster.server} not ready yet ({waiting.last}); retrying")
                 waiting.warned = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-        logger.info(f"Listed {C.PLURAL}.{C.GROUP} {waiting.where} at {conn.server} (config from {source})")
+        logger.info(f"Listed {C.PLURAL}.{C.GROUP} {waiting.where} at {cluster.server} (config from {cluster.source})")
 
 
 def preflight(namespaces: Sequence[str], timeout: float) -> None:
     """Raise ``StartupError`` unless the operator has a cluster config whose credentials can list
     OmniModels where it watches them, retrying an API server that is not up yet for ``timeout`` s."""
-    conn, source = connection()
+    cluster = cluster_config()
     waiting = _Waiting()
 
     async def bounded() -> None:
-        client = HttpKube(conn)
+        client = LightKube(cluster)
         try:
             async with asyncio.timeout(timeout):
-                await _list_omnimodels(client, conn, source, _scopes(namespaces), waiting)
+                await _list_omnimodels(client, cluster, _scopes(namespaces), waiting)
         except TimeoutError:
             raise StartupError(
-                f"the API server at {conn.server} could not list {C.PLURAL}.{C.GROUP} {waiting.where} within "
+                f"the API server at {cluster.server} could not list {C.PLURAL}.{C.GROUP} {waiting.where} within "
                 f"{timeout:g} s ({_TIMEOUT_ENV}): {waiting.last}"
             ) from None
         finally:

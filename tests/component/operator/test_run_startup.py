@@ -155,7 +155,7 @@ def test_refused_credentials_exit_at_once_in_the_api_servers_words(
     assert f"the API server at {server.url} refused the credentials from KUBECONFIG={config}" in line
     assert f"{code} {reason}: {message}" in line
     # Refused is final: one request, no retries.
-    assert server.requests == ["/apis/omnimodel.io/v1alpha1/omnimodels?labelSelector="]
+    assert server.requests == ["/apis/omnimodel.io/v1alpha1/omnimodels"]
 
 
 @pytest.mark.parametrize(
