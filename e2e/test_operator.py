@@ -283,6 +283,27 @@ def _custom(stages: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _preset(preset: str, source: str, stages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"source": source}, "preset": preset}
+    if stages is not None:
+        spec["stages"] = stages
+    return {"apiVersion": "omnimodel.io/v1alpha1", "kind": "OmniModel", "metadata": {"name": "bad"}, "spec": spec}
+
+
+def _vllm(stages: list[dict[str, Any]], source: str = "hf://Qwen/Qwen2.5-Omni-7B") -> dict[str, Any]:
+    """A vLLM-Omni OmniModel on the qwen2_5_omni deploy config (thinker, the entry stage, is the head's)."""
+    return {
+        "apiVersion": "omnimodel.io/v1alpha1",
+        "kind": "OmniModel",
+        "metadata": {"name": "bad"},
+        "spec": {
+            "model": {"source": source},
+            "runtime": {"kind": "vllm-omni", "deployConfig": "qwen2_5_omni"},
+            "stages": stages,
+        },
+    }
+
+
 def _stage(name: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "kind": "ar", "engine": "vllm", "task": "text-generation", **extra}
 
@@ -389,6 +410,47 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.runtime.deployConfig", "Unsupported value"],
     ),
     (
+        "engine that does not run the preset stage's task",
+        _preset("text", "tiny://text", [{"name": "llm", "engine": "diffusers"}]),
+        ["spec.stages", "a stage's engine must run that stage's task", "text llm: vllm or transformers"],
+    ),
+    (
+        "another preset's tiny model",
+        _preset("text", "tiny://text-to-image"),
+        ["spec.model.source", "with preset P, model.source must be tiny://P"],
+    ),
+    ("unknown tiny model", _preset("text", "tiny://nosuchpreset"), ["spec.model.source", "no such tiny model"]),
+    (
+        "vllm-omni with a tiny model",
+        _vllm([], source="tiny://qwen2.5-omni-vllm-omni"),
+        ["spec.model.source", "tiny:// models are built by the omnimodel runtime"],
+    ),
+    (
+        "vllm-omni engineArgs the operator sets",
+        _vllm([{"name": "talker", "engineArgs": {"devices": "0,1"}}]),
+        ["spec.stages", "engineArgs devices and num_replicas are set by the operator"],
+    ),
+    (
+        "vllm-omni accelerator count unlike the stage's",
+        _vllm([{"name": "talker", "accelerator": {"vendor": "nvidia", "count": 2}}]),
+        ["spec.stages", "accelerator.count (default 1) must be the devices one replica of it uses"],
+    ),
+    (
+        "vllm-omni tensor parallel without the devices",
+        _vllm([{"name": "talker", "engineArgs": {"tensor_parallel_size": 2}, "accelerator": {"vendor": "nvidia"}}]),
+        ["spec.stages", "scaled by engineArgs.tensor_parallel_size"],
+    ),
+    (
+        "vllm-omni head stage at zero",
+        _vllm([{"name": "thinker", "replicas": 0}]),
+        ["spec.stages", "the entry stage runs in the head pod", "at least 1"],
+    ),
+    (
+        "vllm-omni head stage autoscaled",
+        _vllm([{"name": "thinker", "autoscaling": {"maxReplicas": 2}}]),
+        ["spec.stages", "cannot autoscale"],
+    ),
+    (
         "reserved stage name",
         _custom([{"name": "gateway", "kind": "ar", "engine": "vllm", "task": "text-generation", "outputs": ["text"]}]),
         ["spec.stages[0].name", "reserved"],
@@ -418,6 +480,36 @@ def test_api_server_rejects_invalid_objects(kube: Kube, case: str, doc: dict[str
     for text in expected:
         assert text in result.stderr, f"{case}: {text!r} not in {result.stderr!r}"
     assert kube.get("omnimodel", "bad") is None
+
+
+ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    (
+        "a preset stage on another engine that runs its task",
+        _preset("text", "tiny://text", [{"name": "llm", "engine": "transformers"}]),
+    ),
+    ("a preset's tiny model variant", _preset("qwen2.5-omni", "tiny://qwen2.5-omni-vllm-omni")),
+    (
+        "vllm-omni tensor parallel with its devices",
+        _vllm(
+            [
+                {
+                    "name": "talker",
+                    "engineArgs": {"tensor_parallel_size": 2},
+                    "accelerator": {"vendor": "nvidia", "count": 2},
+                }
+            ]
+        ),
+    ),
+    ("vllm-omni head stage with replicas", _vllm([{"name": "thinker", "replicas": 2}])),
+    ("vllm-omni non-head stage autoscaled", _vllm([{"name": "talker", "autoscaling": {"maxReplicas": 2}}])),
+]
+
+
+@pytest.mark.parametrize(("case", "doc"), ACCEPTED, ids=[a[0] for a in ACCEPTED])
+def test_api_server_accepts_what_the_rules_allow(kube: Kube, case: str, doc: dict[str, Any]) -> None:
+    """The rules above refuse only what they name: their neighbours still pass (server-side dry run)."""
+    result = kube.run("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc), check=False)
+    assert result.returncode == 0, f"{case}: {result.stderr}"
 
 
 class CountingKube:

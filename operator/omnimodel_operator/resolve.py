@@ -14,12 +14,13 @@ from pydantic import ValidationError
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import Accelerator, OmniModelSpec, StageSpec
+from omnimodel_operator.api.v1alpha1 import TINY_MODELS, Accelerator, OmniModelSpec, StageSpec
 from omnimodel_operator.settings import OperatorSettings
 
 if TYPE_CHECKING:
     from omnimodel_operator.vllm_omni.plan import VllmPlan
 from omnimodel_runtime.pipeline import (
+    ENGINE_TASKS,
     AcceleratorRequest,
     Modality,
     ModelSource,
@@ -191,6 +192,36 @@ def build_pipeline(name: str, namespace: str, spec: OmniModelSpec) -> Pipeline:
         raise InvalidSpec(_spec_path(path), message) from None
 
 
+def check_engines(pipeline: Pipeline) -> None:
+    """Every stage's engine runs its task: a preset stage given another engine (``engine: diffusers`` on
+    preset text's llm) would otherwise roll out and fail in the pod. The CRD's CEL rules say the same."""
+    for stage in pipeline.stages:
+        if stage.task not in ENGINE_TASKS[stage.engine]:
+            able = [e.value for e, tasks in ENGINE_TASKS.items() if stage.task in tasks]
+            raise InvalidSpec(
+                f"spec.stages[{stage.name}].engine",
+                f"engine {stage.engine.value} does not run task {stage.task} of stage {stage.name}"
+                + (f" (preset {pipeline.preset})" if pipeline.preset else "")
+                + f"; engines that do: {', '.join(able)}",
+            )
+
+
+def check_tiny_model(spec: OmniModelSpec) -> None:
+    """A ``tiny://`` source names a tiny model the runtime can build, and with a preset the one built for
+    that preset's graph (another preset's weights would not load). The CRD's CEL rules say the same."""
+    scheme, _, name = spec.model.source.partition("://")
+    if scheme != "tiny":
+        return
+    if name not in TINY_MODELS:
+        known = ", ".join(f"tiny://{m}" for m in TINY_MODELS)
+        raise InvalidSpec("spec.model.source", f"no tiny model {name!r}: tiny:// takes {known}")
+    if spec.preset is not None and TINY_MODELS[name] != spec.preset:
+        raise InvalidSpec(
+            "spec.model.source",
+            f"tiny://{name} is built for preset {TINY_MODELS[name]}; preset {spec.preset} needs tiny://{spec.preset}",
+        )
+
+
 def _no_image(vendor: Vendor) -> str:
     # Said here rather than left to the kubelet: a made-up default tag would only show up later as an
     # ImagePullBackOff on a node, far from the setting that fixes it.
@@ -223,6 +254,8 @@ def resolve_omnimodel(
 ) -> Plan:
     """Spec → plan for this project's runtime (gateway + one process per stage)."""
     pipeline = build_pipeline(name, namespace, spec)
+    check_engines(pipeline)
+    check_tiny_model(spec)
     user_stages = {s.name: s for s in spec.stages or []}
     plans = []
     for stage in pipeline.stages:

@@ -146,7 +146,12 @@ def _stage_plan(entry: DeployConfigEntry, stage: CatalogueStage, user: StageSpec
             f"{path}.engineArgs.{taken[0]}",
             "is set by the operator: a pod's devices come from its accelerator, replicas from spec.stages[].replicas",
         )
-    tp = int(args.get("tensor_parallel_size", stage.tensor_parallel_size))
+    try:
+        tp = int(args.get("tensor_parallel_size", stage.tensor_parallel_size))
+    except (TypeError, ValueError):
+        raise InvalidSpec(
+            f"{path}.engineArgs.tensor_parallel_size", f"must be a whole number, not {args['tensor_parallel_size']!r}"
+        ) from None
     per_replica = stage.devices_per_replica * tp // max(stage.tensor_parallel_size, 1)
     if user is not None and user.accelerator is not None:
         try:

@@ -3,13 +3,14 @@ and the limits and names the rules quote."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from omnimodel_operator.vllm_omni.catalogue import load_catalogue
-from omnimodel_runtime.pipeline import ENGINE_TASKS
+from omnimodel_runtime.pipeline import ENGINE_TASKS, PRESETS
 from omnimodel_runtime.pipeline.graph import STAGE_NAME_MAX, STAGE_NAME_PATTERN
 
 CATALOGUE = load_catalogue()
@@ -23,6 +24,14 @@ MAX_INPUTS = 8
 RESERVED_STAGE_NAMES = ("gateway", "pipeline", "runtime")
 DEFAULT_AUTOSCALING_TARGETS = {"cpu": 80.0, "queueDepth": 4.0, "inFlight": 4.0, "pendingSeconds": 10.0}
 ALL_TASKS = tuple(sorted({t for tasks in ENGINE_TASKS.values() for t in tasks}))
+# tiny://<name> models (built by the runtime, omnimodel_runtime.tiny) → the preset whose graph loads them: each
+# preset's own, and variants of one. The operator may not import the runtime's builders (import-linter), so
+# the names are kept here; tests/unit/operator checks them against the runtime's registry.
+TINY_MODELS: Final[Mapping[str, str]] = {
+    **{p: p for p in PRESETS},
+    "qwen2.5-omni-vllm-omni": "qwen2.5-omni",
+    "qwen3-omni-vllm-omni": "qwen3-omni",
+}
 
 
 def cel_list(items: tuple[str, ...]) -> str:

@@ -7,109 +7,17 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from omnimodel_operator.api.v1alpha1.base import CATALOGUE, MAX_STAGES, SINGLE_STAGE, FreeForm, KubeModel, cel
+from omnimodel_operator.api.v1alpha1.base import CATALOGUE, MAX_STAGES, SINGLE_STAGE, FreeForm, KubeModel
 from omnimodel_operator.api.v1alpha1.model import ModelSpec
+from omnimodel_operator.api.v1alpha1.rules import SPEC_RULES
 from omnimodel_operator.api.v1alpha1.runtime import GatewaySpec, RuntimeSpec
 from omnimodel_operator.api.v1alpha1.stage import StageSpec
 from omnimodel_operator.api.v1alpha1.status import OmniModelStatus
 from omnimodel_runtime.pipeline import PRESETS
 
 
-def _vllm_omni_stage_map() -> str:
-    """CEL map literal deploy config → stage names, from the committed catalogue."""
-    entries = ", ".join(f"'{c.name}': [{', '.join(repr(s.name) for s in c.stages)}]" for c in CATALOGUE.configs)
-    return "{" + entries + "}"
-
-
-_VLLM = "has(self.runtime) && has(self.runtime.kind) && self.runtime.kind == 'vllm-omni'"
-
-
-def _preset_stage_map() -> str:
-    """CEL map literal preset → stage names, generated from the catalogue so the two never drift."""
-    entries = ", ".join(
-        f"'{name}': [{', '.join(repr(s) for s in preset.stage_names)}]" for name, preset in PRESETS.items()
-    )
-    return "{" + entries + "}"
-
-
-_NAMES = "self.stages.map(t, t.name)"
-
-
 class OmniModelSpec(KubeModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    f"({_VLLM}) || has(self.preset) || (has(self.stages) && size(self.stages) > 0)",
-                    "spec.stages must describe the graph when no preset is given",
-                    ".stages",
-                ),
-                cel(
-                    f"!({_VLLM}) || !has(self.preset)",
-                    "runtime.kind vllm-omni takes its stage graph from runtime.deployConfig, not a preset",
-                    ".preset",
-                ),
-                cel(
-                    f"!({_VLLM}) || !has(self.stages) || (has(self.runtime.deployConfig) ? "
-                    f"self.stages.all(s, s.name in {_vllm_omni_stage_map()}[self.runtime.deployConfig]) : "
-                    f"self.stages.all(s, s.name == '{SINGLE_STAGE}'))",
-                    "with runtime.kind vllm-omni, every stage must be named like one of the deploy config's stages "
-                    f"({SINGLE_STAGE} without a deploy config)",
-                    ".stages",
-                ),
-                cel(
-                    f"!({_VLLM}) || !has(self.stages) || self.stages.all(s, "
-                    "!has(s.inputs) && !has(s.kind) && !has(s.task) && !has(s.outputs) && !has(s.engine))",
-                    "a vLLM-Omni deploy config fixes the graph and its engines: its stages cannot set "
-                    "engine, inputs, kind, task or outputs",
-                    ".stages",
-                ),
-                cel(
-                    f"!({_VLLM}) || !has(self.stages) || self.stages.all(s, !has(s.autoscaling) || "
-                    "!has(s.autoscaling.minReplicas) || s.autoscaling.minReplicas > 0)",
-                    "with runtime.kind vllm-omni a stage cannot scale to zero: vLLM-Omni's head does not "
-                    "hold requests for a stage without replicas",
-                    ".stages",
-                ),
-                cel(
-                    f"!({_VLLM}) || !has(self.gateway) || !has(self.gateway.replicas) || self.gateway.replicas == 1",
-                    "with runtime.kind vllm-omni the head pod serves the API: gateway.replicas must be 1",
-                    ".gateway.replicas",
-                ),
-                cel(
-                    "!has(self.preset) || !has(self.stages) || "
-                    f"self.stages.all(s, s.name in {_preset_stage_map()}[self.preset])",
-                    "with a preset, every stage must be named like one of the preset's stages",
-                    ".stages",
-                ),
-                cel(
-                    "!has(self.preset) || !has(self.stages) || self.stages.all(s, "
-                    "!has(s.inputs) && !has(s.kind) && !has(s.task) && !has(s.outputs))",
-                    "a preset fixes the graph: its stages cannot set inputs, kind, task or outputs",
-                    ".stages",
-                ),
-                cel(
-                    f"({_VLLM}) || has(self.preset) || !has(self.stages) || "
-                    "self.stages.all(s, has(s.engine) && has(s.kind) && has(s.task))",
-                    "without a preset every stage needs engine, kind and task",
-                    ".stages",
-                ),
-                cel(
-                    f"!has(self.stages) || self.stages.all(s, !has(s.inputs) || s.inputs.all(i, i in {_NAMES}))",
-                    "stage inputs must name stages of this OmniModel",
-                    ".stages",
-                ),
-                cel(
-                    # Two-variable comprehensions (index, value) instead of indexOf(): the API
-                    # server's cost estimator treats indexOf on a mapped list as unbounded.
-                    "!has(self.stages) || self.stages.all(k, s, !has(s.inputs) || s.inputs.all(i, "
-                    "!self.stages.exists(t, t.name == i) || self.stages.exists(j, t, j < k && t.name == i)))",
-                    "stage inputs must name stages listed before it, so the graph has no cycle",
-                    ".stages",
-                ),
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": SPEC_RULES})
 
     model: ModelSpec = Field(description="The model the pipeline serves.")
     preset: Literal[tuple(PRESETS)] | None = Field(  # type: ignore[valid-type]

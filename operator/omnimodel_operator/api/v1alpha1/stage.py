@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from omnimodel_operator.api.v1alpha1.base import (
     ALL_TASKS,
@@ -20,6 +20,22 @@ from omnimodel_operator.api.v1alpha1.base import (
 )
 from omnimodel_operator.api.v1alpha1.runtime import EnvVar, Resources, Toleration
 from omnimodel_runtime.pipeline import ENGINE_TASKS, EngineName, Modality, StageKind, Vendor
+
+# Free-form, but with the keys the CEL rules read declared: an undeclared field of a preserve-unknown-fields
+# object is invisible to CEL (the API server refuses the rule at compile time).
+EngineArgs = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {
+                key: {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+                for key in ("devices", "num_replicas", "tensor_parallel_size")
+            },
+        }
+    ),
+]
 
 
 class Accelerator(KubeModel):
@@ -238,8 +254,11 @@ class StageSpec(KubeModel):
     )
     affinity: FreeForm | None = Field(default=None, description="A Kubernetes Affinity, used as given.")
     env: list[EnvVar] | None = Field(default=None, max_length=64, description="Extra environment.")
-    engine_args: FreeForm | None = Field(
-        default=None, description="Keyword arguments for the engine (e.g. tensor_parallel_size)."
+    engine_args: EngineArgs | None = Field(
+        default=None,
+        description="Keyword arguments for the engine (e.g. tensor_parallel_size), handed through as given. "
+        "devices, num_replicas and tensor_parallel_size are named in the schema (integer or string) only so that "
+        "the vLLM-Omni rules can read them.",
     )
     autoscaling: Autoscaling | None = Field(default=None, description="HorizontalPodAutoscaler bounds.")
     disruption: Disruption | None = Field(default=None, description="PodDisruptionBudget for this stage.")
