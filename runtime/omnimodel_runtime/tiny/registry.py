@@ -55,6 +55,10 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "qwen3-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.qwen3_omni", function="build", extra="transformers", version=2
     ),
+    # Qwen3-Omni with the token ids and sizes vLLM-Omni hard-codes, for the vllm-omni runtime.
+    "qwen3-omni-vllm-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.qwen3_omni_vllm", function="build", extra="transformers"
+    ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
     # v2: rope_max_seq_len 1024 (v1's 32 failed at the default and every OpenAI size).
