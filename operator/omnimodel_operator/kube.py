@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
@@ -184,6 +184,46 @@ def _http_error(err: httpx2.HTTPStatusError) -> ApiError:
     return ApiError(err.response.status_code, "", err.response.text)
 
 
+async def authorization_header(user: User, server: str) -> str | None:
+    """The ``Authorization`` header lightkube computes for ``user`` now, from a fresh start: an exec
+    plugin runs, a token file is read. None for a user without one (client certificates only)."""
+    auth = user_auth(user)
+    if auth is None:
+        return None
+    # lightkube's auth flow for one request, driven as its HTTP client would, without sending it.
+    flow = auth.async_auth_flow(httpx2.Request("GET", server))
+    try:
+        request = await anext(flow)
+    finally:
+        await flow.aclose()
+    return request.headers.get("Authorization")
+
+
+class _SharedExecCredential(httpx2.Auth):
+    """lightkube's exec-plugin credential, run once at a time for the whole client. lightkube's own runs
+    the plugin in every request that has no token yet or is refused (401), so a reconcile's concurrent
+    requests would start it many times at start and again at each expiry (every 15 min on EKS)."""
+
+    def __init__(self, user: User, server: str) -> None:
+        self._user, self._server = user, server
+        self._lock = asyncio.Lock()
+        self._header: str | None = None
+
+    async def _renewed(self, refused: str | None) -> str:
+        async with self._lock:
+            if self._header is None or self._header == refused:  # no other request renewed it meanwhile
+                self._header = await authorization_header(self._user, self._server) or ""
+            return self._header
+
+    async def async_auth_flow(self, request: httpx2.Request) -> AsyncGenerator[httpx2.Request, httpx2.Response]:
+        header = self._header or await self._renewed(None)
+        request.headers["Authorization"] = header
+        response = yield request
+        if response.status_code == 401:  # one fresh try; a token that stays refused is the caller's 401
+            request.headers["Authorization"] = await self._renewed(header)
+            yield request
+
+
 class LightKube:
     """The real client: lightkube's async client, one connection pool, plain dicts in and out."""
 
@@ -193,6 +233,12 @@ class LightKube:
         self._limit = asyncio.Semaphore(concurrency)
         self.server = cluster.server
         self._client = AsyncClient(cluster.config, timeout=httpx2.Timeout(timeout))
+        user = cluster.config.user
+        if user is not None and user.exec is not None:
+            # lightkube has no option for this: its httpx2 client is two levels down; `auth` is public.
+            http = self._client._client._client
+            assert isinstance(http, httpx2.AsyncClient), type(http)
+            http.auth = _SharedExecCredential(user, cluster.server)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -9,29 +9,18 @@ through lightkube: an exec plugin runs again, a token file is read again.
 
 from __future__ import annotations
 
-import httpx2
 import kopf
-from lightkube.config.client_adapter import user_auth
 from lightkube.config.models import User
 
-from omnimodel_operator.kube import ClusterConfig, CredentialsError
+from omnimodel_operator.kube import ClusterConfig, CredentialsError, authorization_header
 
 
 async def authorization(user: User, server: str) -> tuple[str | None, str | None]:
-    """The ``Authorization`` header lightkube would send now, as (scheme, credentials); both None for a
-    user without one (client certificates only)."""
-    auth = user_auth(user)  # a fresh one: no token cached from an earlier call
-    if auth is None:
-        return None, None
-    # Drive lightkube's auth flow for one request, as its HTTP client would, without sending it.
-    flow = auth.async_auth_flow(httpx2.Request("GET", server))
+    """The ``Authorization`` header for ``user``, fetched afresh, as (scheme, credentials)."""
     try:
-        request = await anext(flow)
-    except Exception as err:
+        header = await authorization_header(user, server)
+    except Exception as err:  # an exec plugin that fails or prints no token, a token file gone
         raise CredentialsError(f"getting credentials: {type(err).__name__}: {err}") from err
-    finally:
-        await flow.aclose()
-    header = request.headers.get("Authorization")
     if not header:
         return None, None
     scheme, _, credentials = header.partition(" ")

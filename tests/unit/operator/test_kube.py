@@ -5,6 +5,7 @@ kubelet rotates it, and a token that stays refused failing instead of being retr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 import stat
@@ -333,9 +334,25 @@ async def test_a_token_that_stays_refused_fails_after_one_fresh_try(
             assert (err.value.status, err.value.reason) == (401, "Unauthorized")
     finally:
         await client.aclose()
-    # The first call runs the plugin and sends once; the next sends the kept token, runs the plugin once
-    # more and sends once more; then it fails. Never a loop.
-    assert (len(server.seen), runs(ran)) == (3, 2)
+    # Each call sends twice, the second time with the plugin's fresh token, then fails. Never a loop.
+    assert (len(server.seen), runs(ran)) == (4, 3)
+
+
+async def test_concurrent_requests_share_one_plugin_run(servers: Callable[..., ApiServer], tmp_path: Path) -> None:
+    """A reconcile sends its writes at once: one plugin run serves them all, at start and after a 401."""
+    user, token, ran = exec_plugin(tmp_path)
+    token.write_text("first")
+    server = servers(accepting(token.read_text, EMPTY_LIST))
+    client = LightKube(load_config(str(kubeconfig(tmp_path / "kc", server.url, user))))
+    try:
+        await asyncio.gather(*(client.list("v1", "Pod", "ml", {}) for _ in range(8)))
+        assert runs(ran) == 1
+        token.write_text("second")
+        await asyncio.gather(*(client.list("v1", "Pod", "ml", {}) for _ in range(8)))
+    finally:
+        await client.aclose()
+    assert runs(ran) == 2
+    assert [s.authorization for s in server.seen].count("Bearer second") == 8
 
 
 async def test_an_exec_plugin_that_fails_is_a_credentials_error_with_its_words(
