@@ -66,7 +66,7 @@ unit: cluster-build ## Unit and component tests (no cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 .PHONY: e2e
-e2e: cluster-build ## End-to-end tests on the local control plane (reuses a running one)
+e2e: cluster-build images ## End-to-end tests on the local control plane (reuses a running one; test_chart runs the operator image)
 	$(PY) -m pytest e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 
 .PHONY: e2e-serving
@@ -94,7 +94,7 @@ test-newest: ## The omni, TTS, text-to-image and text engines' tests on the newe
 	@py="$$(BASE_PY=$(PY) ./.ci/newest-venv)" && "$$py" -m pytest -m "not vllm and not vllm_omni" $(NEWEST_TESTS) $(PYTEST_ARGS)
 
 .PHONY: test
-test: lint cluster-build chart-lint ## Everything CI runs: lint, unit, component and e2e tests
+test: lint cluster-build chart-lint images ## Everything CI runs: lint, unit, component and e2e tests
 	$(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-newest
 	$(MAKE) --no-print-directory e2e-serving

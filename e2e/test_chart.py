@@ -1,11 +1,11 @@
-"""The operator's Helm chart on the local control plane: install, RBAC, a real operator run, upgrade,
-uninstall.
+"""The operator's Helm chart on the local control plane: install, RBAC, the operator pod reconciling,
+kopf peering between two operators, `helm test`, a rolling upgrade, uninstall.
 
-Here (kwok only fakes the pod's lifecycle) the operator runs as a local process with exactly the pod's
-command and environment, taken from the installed Deployment, and with a token of the chart's
-ServiceAccount (TokenRequest API): every API call it makes goes through the chart's RBAC
-(omnimodel_testbed.operator_process). `make demo` and `make e2e-serving` run the chart's operator pod
-from its image instead (omnimodel_testbed.operator_pod).
+The release namespace is served by the test bed's kubelet (omnimodel_testbed.kubelet), so the chart's
+operator pod and its `helm test` pod run from the operator image that `make images` pushed to the test
+bed's registry, with the projected token of their ServiceAccounts: every API call goes through the
+chart's RBAC. (The kubelet does not run probes: a pod is Ready once its container has started.) The
+pods of the OmniModels in the watched namespace are kwok's.
 
 The release watches one fresh namespace (watchNamespaces), so the operator run here never touches
 other suites' objects. The CRD is shared by every suite on the cluster: an existing one is adopted
@@ -20,6 +20,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import threading
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +33,12 @@ from typing import Any
 import pytest
 import yaml
 
+from omnimodel_testbed import Cluster
+from omnimodel_testbed.kubelet import PodProcess, PodRunner
+from omnimodel_testbed.operator_pod import HEALTH_PORT, METRICS_PORT, image_store, service_env
 from omnimodel_testbed.operator_process import ChartOperator, service_account_kubeconfig
 from omnimodel_testbed.pytest_plugin import ClusterHandle
+from omnimodel_testbed.registry import RegistryImages
 from support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -50,6 +58,34 @@ class Release:
     cluster: ClusterHandle
     namespace: str  # where the operator and its ServiceAccount live
     watched: str  # the namespace it reconciles
+    runner: PodRunner | None = None  # plays the release namespace's pods, from their images
+
+    def operator_pods(self) -> list[dict[str, Any]]:
+        selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
+        return list(self.get("pods", "-n", self.namespace, "-l", selector)["items"])
+
+    def operator_process(self, pod: str) -> PodProcess | None:
+        """The running container process of operator pod ``pod``, if it is running."""
+        assert self.runner is not None
+        found = [p for p in self.runner.processes(pod) if p.name == pod]
+        return found[0] if found else None
+
+    def serving_operators(self) -> list[str]:
+        """Operator pods the API server calls Ready whose container is running here."""
+        ready = []
+        for pod in self.operator_pods():
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+            process = self.operator_process(pod["metadata"]["name"])
+            if conditions.get("Ready") == "True" and process is not None and process.proc.poll() is None:
+                ready.append(pod["metadata"]["name"])
+        return ready
+
+    def operator_log(self) -> str:
+        """The log of the one operator pod running now."""
+        (name,) = self.serving_operators()
+        process = self.operator_process(name)
+        assert process is not None
+        return process.log_path.read_text(errors="replace")[process.log_offset :]
 
     @property
     def cluster_role(self) -> str:
@@ -104,23 +140,47 @@ def adopt_shared_crd(cluster: ClusterHandle, namespace: str) -> None:
     )  # fmt: skip
 
 
+def image_values(cluster: ClusterHandle) -> list[str]:
+    """The chart pointed at the images in the test bed's registry; the operator's ports as
+    omnimodel_testbed.operator_pod has them (the test bed's pods share one network namespace)."""
+    assert cluster.state is not None
+    return [
+        *RegistryImages.of(cluster.state).chart_values(),
+        f"--set=operator.healthPort={HEALTH_PORT}",
+        f"--set=metrics.port={METRICS_PORT}",
+    ]
+
+
 @pytest.fixture(scope="module")
-def release(cluster: ClusterHandle) -> Iterator[Release]:
+def release(cluster: ClusterHandle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    assert cluster.state is not None, "the chart's pods run on the test bed's kubelet"
     suffix = uuid.uuid4().hex[:6]
-    rel = Release(cluster, f"chart-e2e-{suffix}", f"chart-e2e-ml-{suffix}")
+    namespace = f"chart-e2e-{suffix}"
+    runner = PodRunner(
+        Cluster().api(cluster.state),
+        namespace,
+        tmp_path_factory.mktemp("chart-pods"),
+        Path(sys.executable).parent,
+        images=image_store(cluster.state),
+        service_env=service_env(cluster.state),
+    )
+    rel = Release(cluster, namespace, f"chart-e2e-ml-{suffix}", runner)
     for ns in (rel.namespace, rel.watched):
         cluster.kubectl("create", "namespace", ns)
     adopt_shared_crd(cluster, rel.namespace)
+    runner.start()  # before the install: the kubelet plays only pods created while it serves
     try:
         out = rel.helm(
             "install", RELEASE, str(CHART), "--wait", "--timeout=120s",
-            f"--set=watchNamespaces={{{rel.watched}}}",
+            f"--set=watchNamespaces={{{rel.watched}}}", *image_values(cluster),
         ).stdout  # fmt: skip
         # NOTES tell the user what to apply next, in the namespace the operator watches.
         assert f"kubectl apply -n {rel.watched} -f examples/text-tiny.yaml" in out
+        wait_for(rel.serving_operators, 120, what="the operator pod running from its image")
         yield rel
     finally:
         rel.helm("uninstall", RELEASE, "--wait", check=False)
+        runner.stop()
         for ns in (rel.watched, rel.namespace):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
@@ -152,7 +212,8 @@ def test_a_second_release_shares_the_crd_without_taking_it_over(release: Release
 def test_install_creates_the_operator_objects(release: Release) -> None:
     deployment = release.get("deployment", FULLNAME, "-n", release.namespace)
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert release.get("kopfpeering", release.cluster_role, "-n", release.watched) is not None
     assert deployment["status"].get("availableReplicas") == 1
     assert release.get("serviceaccount", FULLNAME, "-n", release.namespace) is not None
     assert release.get("clusterrole", release.cluster_role) is not None
@@ -160,7 +221,9 @@ def test_install_creates_the_operator_objects(release: Release) -> None:
     assert release.get("role", FULLNAME, "-n", release.watched) is not None
     assert release.get("rolebinding", FULLNAME, "-n", release.watched) is not None
     metrics = release.get("service", f"{FULLNAME}-metrics", "-n", release.namespace)
-    assert metrics["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    assert metrics["spec"]["ports"] == [
+        {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+    ]
     crd = release.get("crd", CRD)
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
@@ -177,6 +240,7 @@ NEEDED_IN_WATCHED = [
     ("delete", "poddisruptionbudgets.policy"), ("patch", "networkpolicies.networking.k8s.io"),
     ("list", "pods"), ("watch", "pods"), ("create", "events"), ("patch", "deployments.apps/scale"),
     ("create", "jobs.batch"), ("watch", "jobs.batch"), ("delete", "jobs.batch"),  # weights fetch Jobs
+    ("list", "kopfpeerings.kopf.dev"), ("watch", "kopfpeerings.kopf.dev"),  # kopf peering
     ("create", "persistentvolumeclaims"), ("watch", "persistentvolumeclaims"),  # model.cache claims
 ]  # fmt: skip
 DENIED_IN_WATCHED = [
@@ -187,6 +251,7 @@ DENIED_IN_WATCHED = [
     ("update", "deployments.apps"),  # apply is a PATCH
     ("create", "serviceaccounts/token"), ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "cronjobs.batch"), ("list", "leases.coordination.k8s.io"), ("create", "persistentvolumes"),
+    ("create", "kopfpeerings.kopf.dev"), ("patch", "kopfpeerings.kopf.dev"),  # only its own peering object
 ]  # fmt: skip
 DENIED_CLUSTER = [
     ("create", "customresourcedefinitions.apiextensions.k8s.io"),
@@ -234,45 +299,134 @@ def ready_condition(release: Release, name: str) -> dict[str, Any] | None:
     return None
 
 
-def test_operator_running_as_the_service_account_makes_an_example_ready(release: Release, tmp_path: Path) -> None:
-    operator = operator_process(release, tmp_path)
+def test_the_operator_pod_pauses_while_a_second_operator_of_the_release_runs(release: Release, tmp_path: Path) -> None:
+    """kopf peering, as during a rolling upgrade: a second operator of the release (the pod's command,
+    run here with a token of the chart's ServiceAccount) makes both pause, so neither reconciles an
+    OmniModel applied meanwhile; once it exits, the pod resumes and makes the example Ready through the
+    chart's RBAC (its projected token) without being refused anything."""
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    second = operator_process(release, tmp_path)
     try:
-        assert json.loads(operator.env["OMNIMODEL_NAMESPACES"]) == [release.watched]
-        wait_for(operator.healthy, 60, what="operator /healthz")
+        wait_for(second.healthy, 60, what="second operator /healthz")
+        # kopf starts an operator paused until its first peering event; the second stays so, and the
+        # pod, which was running, pauses when the second announces itself.
+        wait_for(lambda: "Possibly conflicting operators" in second.log.read_text(), 30, what="second sees the pod")
+        wait_for(lambda: "Pausing all operators" in release.operator_log(), 30, what="operator pod paused")
         release.cluster.kubectl("apply", "-n", release.watched, "-f", str(EXAMPLE))
+        # A bounded look for what must not happen: any status or child within 5 s would be a double act.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert not (release.get("omnimodel", name, "-n", release.watched) or {}).get("status")
+            assert release.get("deployment", f"{name}-gateway", "-n", release.watched) is None
+        second_log = second.log.read_text()
+        assert "Applied" not in second_log and "Resuming operations" not in second_log, second_log[-4000:]
+    finally:
+        second.stop()
+    try:
+        wait_for(lambda: "Resuming operations" in release.operator_log(), 60, what="operator pod resumed")
         wait_for(lambda: ready_condition(release, name), 120, what=f"{name} Ready=True")
-
-        log = operator.log.read_text()
-        # This process did the work, with the chart's RBAC, and was never refused anything.
+        log = release.operator_log()
         assert f"Applied Deployment {release.watched}/{name}-gateway" in log, log[-4000:]
         assert "Forbidden" not in log and "Not enough permissions" not in log, log[-4000:]
         events = release.get("events", "-n", release.watched, f"--field-selector=involvedObject.name={name}")
         assert "Ready" in {e["reason"] for e in events["items"]}
-
-        # Deleting the OmniModel while the operator runs lets kopf drop its finalizer.
+        # Deleting the OmniModel needs no operator (no finalizer).
         release.cluster.kubectl("delete", "-n", release.watched, "-f", str(EXAMPLE), "--wait=false")
         wait_for(lambda: release.get("omnimodel", name, "-n", release.watched) is None, 60, what=f"{name} deleted")
     finally:
-        operator.stop()
         release.cluster.kubectl("delete", "-n", release.watched, "-f", str(EXAMPLE), "--wait=false", check=False)
 
 
-def test_helm_test_hook_passes(release: Release) -> None:
-    out = release.helm("test", RELEASE, "--timeout=120s").stdout
+def test_helm_test_proves_the_operator_reconciles(release: Release) -> None:
+    """The hook Job runs from the operator image here, creates its OmniModel in the watched namespace,
+    waits for the operator pod's status and Deployments, deletes it."""
+    out = release.helm("test", RELEASE, "--timeout=150s").stdout
     assert "Phase:          Succeeded" in out or "Phase: Succeeded" in out, out
+    # What the Job's pod printed (Helm deleted the Job on success; the kubelet's log stays).
+    assert release.runner is not None
+    (log,) = release.runner.workdir.glob(f"{FULLNAME}-test-*/*.log")
+    text = log.read_text()
+    assert "the operator reconciled it: Ready=" in text and f"Deployments {RELEASE}-helm-test-" in text, text
+    assert release.get("omnimodel", f"{RELEASE}-helm-test", "-n", release.watched) is None
+    # Its account and RBAC went with it (hook-succeeded).
+    assert release.get("role", f"{FULLNAME}-test", "-n", release.watched) is None
+
+
+def operator_digest(cluster: ClusterHandle) -> str:
+    """The manifest digest of the operator image in the test bed's registry (what `image.digest` pins)."""
+    assert cluster.state is not None
+    images = RegistryImages.of(cluster.state)
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{images.port}/v2/omnimodel/omnimodel-operator/manifests/{images.version}",
+        method="HEAD",
+        headers={"Accept": ", ".join(MANIFEST_TYPES)},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return str(resp.headers["Docker-Content-Digest"])
+
+
+MANIFEST_TYPES = [
+    "application/vnd.oci.image.index.v1+json", "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+]  # fmt: skip
+
+
+def test_upgrade_to_another_image_keeps_an_operator_serving(release: Release) -> None:
+    """`helm upgrade` to the image pinned by digest: the new pod starts beside the old one, and through
+    the whole rollout at least one operator pod is Ready with its container running; then the new pod
+    reconciles."""
+    digest = operator_digest(release.cluster)
+    (old,) = release.serving_operators()
+    samples: list[list[str]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(release.serving_operators())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        release.helm(
+            "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s",
+            f"--set=watchNamespaces={{{release.watched}}}", *image_values(release.cluster),
+            f"--set=image.digest={digest}",
+        )  # fmt: skip
+        wait_for(lambda: (s := release.serving_operators()) and old not in s, 90, what="the new operator pod alone")
+    finally:
+        done.set()
+        sampler.join(timeout=30)
+    assert samples and all(samples), [i for i, s in enumerate(samples) if not s]
+    (new,) = release.serving_operators()
+    assert new != old and any(old in s and new in s for s in samples), "the two pods never ran side by side"
+    deployment = release.get("deployment", FULLNAME, "-n", release.namespace)
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"].endswith(f"@{digest}")
+
+    name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    try:
+        release.cluster.kubectl("apply", "-n", release.watched, "-f", str(EXAMPLE))
+        wait_for(lambda: ready_condition(release, name), 120, what=f"{name} Ready=True after the upgrade")
+        assert f"Applied Deployment {release.watched}/{name}-gateway" in release.operator_log()
+    finally:
+        release.cluster.kubectl("delete", "-n", release.watched, "-f", str(EXAMPLE), "--wait=false", check=False)
 
 
 def test_upgrade_rolls_the_operator_and_can_switch_to_cluster_wide(release: Release) -> None:
     before = release.get("deployment", FULLNAME, "-n", release.namespace)
     release.helm(
-        "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s",
+        "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s", *image_values(release.cluster),
         "--set=operator.resyncInterval=300", "--set=podAnnotations.rollout=second",
     )  # fmt: skip
     after = release.get("deployment", FULLNAME, "-n", release.namespace)
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
+    # The running pod announces itself in the watched namespace's KopfPeering, the new one would in a
+    # ClusterKopfPeering: they could not see each other, so this one rollout is Recreate.
+    assert after["spec"]["strategy"]["type"] == "Recreate"
     (container,) = after["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["OMNIMODEL_RESYNC_INTERVAL"] == "300"
     assert env["OMNIMODEL_NAMESPACES"] == "[]"
     assert after["spec"]["template"]["metadata"]["annotations"] == {"rollout": "second"}
@@ -292,7 +446,10 @@ def test_upgrade_rolls_the_operator_and_can_switch_to_cluster_wide(release: Rele
     selector = "app.kubernetes.io/instance=" + RELEASE
     sets = release.get("replicasets", "-n", release.namespace, "-l", selector)["items"]
     active = [rs for rs in sets if rs["spec"].get("replicas")]
-    assert len(sets) == 2 and len(active) == 1, [(rs["metadata"]["name"], rs["spec"].get("replicas")) for rs in sets]
+    assert len(active) == 1, [(rs["metadata"]["name"], rs["spec"].get("replicas")) for rs in sets]
+    assert active[0]["metadata"]["creationTimestamp"] >= after["metadata"]["creationTimestamp"]
+    wait_for(lambda: len(release.serving_operators()) == 1, 90, what="the cluster-wide operator pod")
+    assert release.get("clusterkopfpeering", release.cluster_role) is not None
 
     # Cluster-wide now: the per-namespace Role is gone, the ClusterRole carries the rules.
     assert release.get("role", FULLNAME, "-n", release.watched) is None

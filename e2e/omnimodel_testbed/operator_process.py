@@ -72,7 +72,8 @@ class ChartOperator:
         command = [
             f"--liveness=http://127.0.0.1:{self.port}/healthz" if a.startswith("--liveness=") else a for a in command
         ]
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        # valueFrom entries (POD_ID, kopf's peering identity) are the pod's own: kopf names a process itself.
+        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
         env["OMNIMODEL_HEALTH_PORT"] = str(self.port)
         # The pod's metrics port would be shared by every operator process on this host.
         self.metrics_port = procs.free_port()

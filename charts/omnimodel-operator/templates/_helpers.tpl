@@ -181,3 +181,27 @@ with the release namespace like the ClusterRole, so that two releases never shar
 {{- define "omnimodel-operator.peeringName" -}}
 {{- include "omnimodel-operator.clusterRoleName" . }}
 {{- end }}
+
+{{/*
+"true" when this render's operator pods can meet the running operator in a peering object: peering
+is on, and the Deployment is new or one of the peering objects it announces itself in already exists.
+Not so when the running operator is standalone (peering was off, or a chart without peering) or
+announces itself elsewhere (watchNamespaces switched between empty and listed, or to disjoint
+namespaces): the old and new pod would not see each other, so that one rollout is Recreate.
+`helm template` cannot look (no cluster) and renders the rolling strategy.
+*/}}
+{{- define "omnimodel-operator.rolling" -}}
+{{- if .Values.peering.enabled -}}
+{{- $name := include "omnimodel-operator.peeringName" . -}}
+{{- $deployment := lookup "apps/v1" "Deployment" .Release.Namespace (include "omnimodel-operator.fullname" .) -}}
+{{- $met := not $deployment -}}
+{{- if .Values.watchNamespaces -}}
+{{- range .Values.watchNamespaces -}}
+{{- if lookup "kopf.dev/v1" "KopfPeering" . $name -}}{{- $met = true -}}{{- end -}}
+{{- end -}}
+{{- else if lookup "kopf.dev/v1" "ClusterKopfPeering" "" $name -}}
+{{- $met = true -}}
+{{- end -}}
+{{- if $met -}}true{{- end -}}
+{{- end -}}
+{{- end }}
