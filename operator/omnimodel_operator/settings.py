@@ -5,14 +5,15 @@ The Helm chart sets these on the operator Deployment (e.g. the runtime image per
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from omnimodel_operator import __version__
 from omnimodel_operator import constants as C
 from omnimodel_operator.accelerators import ACCELERATORS
+from omnimodel_operator.quantity import parse_quantity
 from omnimodel_runtime.pipeline import Vendor
 
 # The runtime image this release publishes per vendor (docker/runtime.<variant>.Dockerfile). Only vendors
@@ -60,14 +61,44 @@ class OperatorSettings(BaseSettings):
     )
     retry_max_delay: float = Field(default=300.0, gt=0, description="Longest retry delay after failed passes.")
     stage_requests: dict[str, str] = Field(
-        default_factory=lambda: {"cpu": "500m", "memory": "1Gi"},
-        description="Requests (JSON object) for a stage container that sets none of its own, so stage "
-        "pods are never BestEffort; accelerator devices are added as limits.",
+        default_factory=lambda: {"cpu": "500m", "memory": "2Gi"},
+        description="Requests (JSON object) of a stage container for what its spec does not request: the "
+        "whole of a CPU stage's, and the process's own share of an accelerator stage's, which adds "
+        "device_requests per device.",
+    )
+    device_requests: dict[str, str] = Field(
+        default_factory=lambda: {"cpu": "2", "memory": "16Gi"},
+        description="Requests (JSON object) a stage container adds per accelerator device of a replica, "
+        "for the host threads that feed it and the host memory weights pass through while loading.",
     )
     gateway_requests: dict[str, str] = Field(
-        default_factory=lambda: {"cpu": "100m", "memory": "256Mi"},
-        description="Requests (JSON object) for a gateway container that sets none of its own.",
+        default_factory=lambda: {"cpu": "250m", "memory": "512Mi"},
+        description="Requests (JSON object) of a gateway container (and vLLM-Omni's Mooncake master) for "
+        "what its spec does not request.",
     )
+    fetch_requests: dict[str, str] = Field(
+        default_factory=lambda: {"cpu": "500m", "memory": "1Gi"},
+        description="Requests (JSON object) of the weights fetch Job's container.",
+    )
+    limit_ratios: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: {"cpu": 4.0, "memory": 1.0},
+        description="Limit of each resource (JSON object) as a multiple of the container's request, for "
+        "every container whose spec sets no limit of that resource; 0 sets none. Memory 1: a container "
+        "past its memory request is the first evicted and can take the node's memory from others, so it "
+        "is OOMKilled at its request instead. CPU 4: CPU is throttled, not killed, so a limit above the "
+        "request lets a stage burst into idle CPUs (loading, a prefill), and the runtime sizes its thread "
+        "pools from the limit (a limit equal to a 500m request would give one thread).",
+    )
+
+    @field_validator("stage_requests", "device_requests", "gateway_requests", "fetch_requests")
+    @classmethod
+    def _quantities(cls, value: dict[str, str]) -> dict[str, str]:
+        for resource, amount in value.items():
+            parse_quantity(amount)  # a ValueError names the quantity; pydantic names the setting
+            if not resource:
+                raise ValueError("a resource name is empty")
+        return value
+
     scrape_from: dict[str, Any] | None = Field(
         default=None,
         description="A NetworkPolicy peer (JSON, e.g. a namespaceSelector for the monitoring namespace) "

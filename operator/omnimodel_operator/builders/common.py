@@ -5,11 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any, Protocol
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
+from omnimodel_operator.accelerators import accelerator_for
 from omnimodel_operator.api.v1alpha1 import EnvVar, OmniModelSpec, Resources, Toleration
+from omnimodel_operator.quantity import add_quantities, format_quantity, parse_quantity
+from omnimodel_operator.settings import OperatorSettings
+from omnimodel_runtime.pipeline import AcceleratorRequest
 
 Manifest = dict[str, Any]
 
@@ -90,24 +95,68 @@ def quantity(value: int | str) -> str:
     return str(value)
 
 
+def _limit(request: str, ratio: float, resource: str) -> str | None:
+    """``ratio`` × ``request``; None when the request is no quantity (the API server then refuses the
+    container in its own words, which status shows)."""
+    if ratio == 1:
+        return request  # as written: what the API server reads back for a limit equal to the request
+    try:
+        return format_quantity(parse_quantity(request) * Decimal(str(ratio)), resource)
+    except ValueError:
+        return None
+
+
 def resources_dict(
-    resources: Resources | None, device_limits: Mapping[str, str], default_requests: Mapping[str, str]
+    resources: Resources | None,
+    default_requests: Mapping[str, str],
+    limit_ratios: Mapping[str, float],
+    device_limits: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """User cpu/memory plus device limits; devices are limits only (the API server copies them to
-    requests), and the accelerator table wins over a hand-written device limit. A container that
-    requests nothing gets ``default_requests``, so it is never BestEffort (first evicted)."""
+    """A container's requests and limits, so it is never BestEffort (first evicted) and a namespace
+    whose ResourceQuota requires limits admits it.
+
+    Requests: the spec's; a resource it neither requests nor limits from ``default_requests`` (one it
+    only limits is requested at its limit, by the API server). Limits: the spec's; a requested resource
+    it does not limit gets ``limit_ratios[resource]`` × its request (none for a ratio of 0 or a resource
+    without a ratio). Devices are limits only (the API server copies them to requests), and the
+    accelerator table wins over a hand-written device limit."""
     limits = {k: quantity(v) for k, v in ((resources.limits if resources else None) or {}).items()}
-    requests = {k: quantity(v) for k, v in ((resources.requests if resources else None) or {}).items()}
-    if not requests:
-        # A limit without a request makes the API server copy the limit into the request.
-        requests = {k: v for k, v in default_requests.items() if k not in limits}
-    limits.update(device_limits)
+    own = {k: quantity(v) for k, v in ((resources.requests if resources else None) or {}).items()}
+    requests = {**{k: v for k, v in default_requests.items() if k not in limits}, **own}
+    for resource, ratio in limit_ratios.items():
+        limit = _limit(requests[resource], ratio, resource) if ratio and resource in requests else None
+        if limit is not None and resource not in limits:
+            limits[resource] = limit
+    limits.update(device_limits or {})
     out: dict[str, Any] = {}
     if limits:
         out["limits"] = dict(sorted(limits.items()))
     if requests:
         out["requests"] = dict(sorted(requests.items()))
     return out
+
+
+def stage_requests(settings: OperatorSettings, accelerator: AcceleratorRequest) -> dict[str, str]:
+    """What a stage container requests unless its spec says otherwise: the process's own share
+    (``stage_requests``) plus ``device_requests`` per device of a replica. The model's size is not a
+    term: an hf:// model's is first learned by the fetch its stage pods wait for, a pvc:// or file://
+    model's never; a stage that needs more sets ``resources``."""
+    devices = accelerator.count if accelerator_for(accelerator.vendor).resource_name else 0
+    if not devices:
+        return dict(settings.stage_requests)
+    return add_quantities((settings.stage_requests, 1), (settings.device_requests, devices))
+
+
+def stage_resources(
+    resources: Resources | None, accelerator: AcceleratorRequest, settings: OperatorSettings
+) -> dict[str, Any]:
+    """A stage container's requests and limits: derived from its accelerator, overridden by its spec."""
+    return resources_dict(
+        resources,
+        stage_requests(settings, accelerator),
+        settings.limit_ratios,
+        accelerator_for(accelerator.vendor).resources(accelerator),
+    )
 
 
 def service_account(plan: Plan) -> Manifest:

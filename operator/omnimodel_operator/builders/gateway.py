@@ -64,7 +64,7 @@ def gateway_deployment(plan: Plan, settings: OperatorSettings) -> Manifest:
         ],
         "ports": [{"name": "http", "containerPort": C.GATEWAY_PORT, "protocol": "TCP"}],
         "env": env,
-        "resources": resources_dict(gw.resources, {}, settings.gateway_requests),
+        "resources": resources_dict(gw.resources, settings.gateway_requests, settings.limit_ratios),
         "volumeMounts": [pipeline_mount, *scratch_mounts],
         "securityContext": container_security_context(),
         **http_probes("http", startup_seconds=GATEWAY_STARTUP_SECONDS),

@@ -24,6 +24,8 @@ from omnimodel_operator.builders.common import (
     resources_dict,
     runtime_env,
     scratch_volumes,
+    stage_requests,
+    stage_resources,
     tolerations_list,
 )
 from omnimodel_operator.builders.weights import OFFLINE_ENV, fetches, stage_weights
@@ -54,9 +56,13 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
     pipeline_vol, pipeline_mount = pipeline_volume(plan)
     init_containers: list[dict[str, Any]] = []
     offline: list[dict[str, Any]] = []
+    own = user.resources if user else None
     if fetches(plan):
-        # The fetch Job downloads; this pod reads the claim and waits for its files.
-        cache_vol, cache_mount, init = stage_weights(plan, sp)
+        # The fetch Job downloads; this pod reads the claim and waits for its files. The wait gets the
+        # stage's CPU and memory (not its devices): it runs before the stage, so the pod's requests do not
+        # grow, and a quota that requires limits admits it too.
+        wait = resources_dict(own, stage_requests(settings, stage.accelerator), settings.limit_ratios)
+        cache_vol, cache_mount, init = stage_weights(plan, sp, wait)
         init_containers, offline = [init], list(OFFLINE_ENV)
     else:
         cache_vol, cache_mount = model_cache_volume(plan)
@@ -86,9 +92,7 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
             [{"name": k, "value": v} for k, v in acc.env().items()],
             env_list(user.env if user else None),
         ),
-        "resources": resources_dict(
-            user.resources if user else None, acc.resources(stage.accelerator), settings.stage_requests
-        ),
+        "resources": stage_resources(own, stage.accelerator, settings),
         "volumeMounts": [pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
         **http_probes("http", startup_seconds=STAGE_STARTUP_SECONDS),

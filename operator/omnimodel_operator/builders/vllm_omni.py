@@ -40,6 +40,7 @@ from omnimodel_operator.builders.common import (
     runtime_env,
     scratch_volumes,
     service_account,
+    stage_resources,
     tolerations_list,
 )
 from omnimodel_operator.settings import OperatorSettings
@@ -227,7 +228,6 @@ def _pod(
 def _engine_container(
     plan: VllmPlan, sp: VllmStagePlan, args: list[str], settings: OperatorSettings, *, head: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    acc = accelerator_for(sp.accelerator.vendor)
     deploy_vol, deploy_mount = _deploy_volume(plan)
     cache_vol, cache_mount = model_cache_volume(plan)
     scratch_vols, scratch_mounts = scratch_volumes()
@@ -241,9 +241,7 @@ def _engine_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "resources": resources_dict(
-            sp.spec.resources if sp.spec else None, acc.resources(sp.accelerator), settings.stage_requests
-        ),
+        "resources": stage_resources(sp.spec.resources if sp.spec else None, sp.accelerator, settings),
         "volumeMounts": [deploy_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
     }
@@ -453,7 +451,7 @@ def mooncake(plan: VllmPlan, settings: OperatorSettings) -> list[Manifest]:
             {"name": "rpc", "containerPort": MOONCAKE_RPC_PORT, "protocol": "TCP"},
             {"name": "metadata", "containerPort": MOONCAKE_METADATA_PORT, "protocol": "TCP"},
         ],
-        "resources": resources_dict(None, {}, settings.gateway_requests),
+        "resources": resources_dict(None, settings.gateway_requests, settings.limit_ratios),
         "securityContext": container_security_context(),
         "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5},
     }

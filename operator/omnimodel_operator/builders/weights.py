@@ -111,7 +111,7 @@ def fetch_job(plan: Plan, settings: OperatorSettings) -> Manifest | None:
         ],
         "env": env,
         "ports": [{"name": "progress", "containerPort": PROGRESS_PORT, "protocol": "TCP"}],
-        "resources": resources_dict(None, {}, settings.gateway_requests),
+        "resources": resources_dict(None, settings.fetch_requests, settings.limit_ratios),
         "volumeMounts": [pipeline_mount, cache_mount, *scratch_mounts],
         "securityContext": container_security_context(),
         # The one-line outcome ("Complete: ...", "Unauthorized: ...") is what WeightsReady shows; a
@@ -148,9 +148,12 @@ def fetch_job(plan: Plan, settings: OperatorSettings) -> Manifest | None:
     }
 
 
-def stage_weights(plan: Plan, sp: StagePlan) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def stage_weights(
+    plan: Plan, sp: StagePlan, resources: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """What a stage pod of a fetched model gets instead of downloading: the claim read-only (volume,
-    mount) and an init container that waits until the fetch has put the stage's files there."""
+    mount) and an init container, with ``resources``, that waits until the fetch has put the stage's
+    files there."""
     volume, mount = model_cache_volume(plan, read_only=True)
     _, pipeline_mount = pipeline_volume(plan)
     init = {
@@ -159,7 +162,7 @@ def stage_weights(plan: Plan, sp: StagePlan) -> tuple[dict[str, Any], dict[str, 
         "command": ["omnimodel", "wait-weights"],
         "args": ["--pipeline", C.PIPELINE_PATH, "--cache-dir", HUB_CACHE, "--stage", sp.stage.name],
         "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "resources": resources,
         "volumeMounts": [pipeline_mount, mount],
         "securityContext": container_security_context(),
     }

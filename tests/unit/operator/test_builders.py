@@ -67,19 +67,26 @@ def test_qwen_omni_example_renders_heterogeneous_stages() -> None:
     out = by_kind_name(render(plan, SETTINGS))
 
     thinker = out[("Deployment", "qwen-omni-thinker")]
-    assert container(thinker)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    # Two GPUs: the process's share plus two devices' worth of CPU and host memory.
+    assert container(thinker)["resources"] == {
+        "limits": {"cpu": "18", "memory": "34Gi", "nvidia.com/gpu": "2"},
+        "requests": {"cpu": "4500m", "memory": "34Gi"},
+    }
     assert thinker["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert thinker["spec"]["replicas"] == 2
     assert container(thinker)["image"].endswith("-cuda")
 
     talker = out[("Deployment", "qwen-omni-talker")]
-    assert container(talker)["resources"]["limits"] == {"amd.com/gpu": "1"}
+    assert container(talker)["resources"]["limits"] == {"amd.com/gpu": "1", "cpu": "10", "memory": "18Gi"}
     assert "replicas" not in talker["spec"]  # the operator's autoscaler owns it (scale subresource)
     assert ("HorizontalPodAutoscaler", "qwen-omni-talker") not in out  # provider operator: no HPA
 
     code2wav = out[("Deployment", "qwen-omni-code2wav")]
-    limits = container(code2wav)["resources"].get("limits", {})
-    assert not any("gpu" in k or "huawei" in k for k in limits)
+    # The example's own requests, limited by the shipped ratios (CPU 4x, memory 1x); no device.
+    assert container(code2wav)["resources"] == {
+        "limits": {"cpu": "8", "memory": "4Gi"},
+        "requests": {"cpu": "2", "memory": "4Gi"},
+    }
     assert "tolerations" not in code2wav["spec"]["template"]["spec"]
 
     assert out[("Deployment", "qwen-omni-gateway")]["spec"]["replicas"] == 2
@@ -116,7 +123,10 @@ def test_user_overrides_merge_with_accelerator_placement() -> None:
     assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
     c = container(deploy)
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
-    assert c["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4", "memory": "32Gi"}}
+    assert c["resources"] == {
+        "limits": {"cpu": "16", "memory": "32Gi", "nvidia.com/gpu": "1"},
+        "requests": {"cpu": "4", "memory": "32Gi"},
+    }
 
 
 def test_changing_one_stage_rolls_only_that_stage() -> None:
@@ -159,17 +169,79 @@ def test_runtime_pods_run_as_their_own_service_account_without_a_token() -> None
         assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("m-runtime", False)
 
 
-def test_containers_without_requests_get_the_default_requests_and_user_requests_win() -> None:
+def test_every_container_gets_requests_and_limits_from_its_stage() -> None:
+    """A namespace whose ResourceQuota requires limits.cpu and limits.memory admits a pod only when every
+    container, init containers included, sets them; the defaults follow the stage's devices."""
+    spec = spec_for("text", Vendor.NVIDIA) | {"model": {"source": "hf://org/llm", "cache": {"pvc": "models"}}}
+    out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    pod = out[("Deployment", "m-llm")]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {
+        "limits": {"cpu": "10", "memory": "18Gi", "nvidia.com/gpu": "1"},
+        "requests": {"cpu": "2500m", "memory": "18Gi"},
+    }
+    # The wait for the weights runs before the stage: its CPU and memory, never its device.
+    assert pod["initContainers"][0]["resources"] == {
+        "limits": {"cpu": "10", "memory": "18Gi"},
+        "requests": {"cpu": "2500m", "memory": "18Gi"},
+    }
+    assert container(out[("Deployment", "m-gateway")])["resources"] == {
+        "limits": {"cpu": "1", "memory": "512Mi"},
+        "requests": {"cpu": "250m", "memory": "512Mi"},
+    }
+    fetch = out[next(k for k in out if k[0] == "Job")]["spec"]["template"]["spec"]["containers"][0]
+    assert fetch["resources"] == {"limits": {"cpu": "2", "memory": "1Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}}
+    cpu = by_kind_name(render(resolve("m", "ml", spec_for("text", Vendor.CPU), SETTINGS, uid="u"), SETTINGS))
+    assert container(cpu[("Deployment", "m-llm")])["resources"] == {
+        "limits": {"cpu": "2", "memory": "2Gi"},
+        "requests": {"cpu": "500m", "memory": "2Gi"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("own", "expected"),
+    [
+        # A request alone: the other resource keeps its default, each limit follows its request.
+        (
+            {"requests": {"cpu": "8"}},
+            {
+                "limits": {"cpu": "32", "memory": "18Gi", "nvidia.com/gpu": "1"},
+                "requests": {"cpu": "8", "memory": "18Gi"},
+            },
+        ),
+        # A limit alone: no default request under it (Kubernetes requests the limit).
+        (
+            {"limits": {"memory": "64Gi"}},
+            {"limits": {"cpu": "10", "memory": "64Gi", "nvidia.com/gpu": "1"}, "requests": {"cpu": "2500m"}},
+        ),
+        # Both: the spec's, as written; the device limit is the accelerator table's.
+        (
+            {"requests": {"cpu": "1", "memory": "3G"}, "limits": {"cpu": "1", "memory": "3G", "nvidia.com/gpu": "4"}},
+            {"limits": {"cpu": "1", "memory": "3G", "nvidia.com/gpu": "1"}, "requests": {"cpu": "1", "memory": "3G"}},
+        ),
+    ],
+)
+def test_a_stages_own_resources_override_the_defaults_per_resource(own: dict[str, Any], expected: Any) -> None:
     spec = spec_for("text", Vendor.NVIDIA)
+    spec["stages"][0]["resources"] = own
     out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
-    llm = container(out[("Deployment", "m-llm")])["resources"]
-    assert llm == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "500m", "memory": "1Gi"}}
-    assert container(out[("Deployment", "m-gateway")])["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
-    spec["stages"][0]["resources"] = {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}}
-    out = by_kind_name(render(resolve("m", "ml", spec, SETTINGS, uid="u"), SETTINGS))
+    assert container(out[("Deployment", "m-llm")])["resources"] == expected
+
+
+def test_the_operators_settings_size_containers() -> None:
+    settings = SETTINGS.model_copy(
+        update={
+            "stage_requests": {"cpu": "1", "memory": "1536Mi"},
+            "device_requests": {"cpu": "250m", "memory": "512Mi"},
+            "limit_ratios": {"cpu": 0, "memory": 1.5},
+        }
+    )
+    spec = spec_for("text", Vendor.NVIDIA)
+    spec["stages"][0]["accelerator"]["count"] = 2
+    out = by_kind_name(render(resolve("m", "ml", spec, settings, uid="u"), settings))
+    # 1 + 2 x 250m CPUs and 1536Mi + 2 x 512Mi; a ratio of 0: no CPU limit.
     assert container(out[("Deployment", "m-llm")])["resources"] == {
-        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
-        "requests": {"cpu": "8"},
+        "limits": {"memory": "3840Mi", "nvidia.com/gpu": "2"},
+        "requests": {"cpu": "1500m", "memory": "2560Mi"},
     }
 
 
@@ -223,7 +295,7 @@ def test_provider_hpa_renders_a_horizontal_pod_autoscaler() -> None:
 
 
 def test_stages_that_may_sit_at_zero_are_held_for_by_the_gateway() -> None:
-    spec = {
+    spec: dict[str, Any] = {
         "model": {"source": "tiny://qwen2.5-omni"},
         "preset": "qwen2.5-omni",
         "stages": [

@@ -72,9 +72,14 @@ def test_the_acceptance_cr_renders_its_resources_placements_and_command_lines() 
     plan = resolve(doc["metadata"]["name"], "ml", doc["spec"], SETTINGS, uid=UID)
     out = by_kind_name(render(plan, SETTINGS))
     thinker, talker, code2wav = (out[("Deployment", f"qwen3-omni-{s}")] for s in ("thinker", "talker", "code2wav"))
-    assert container(thinker)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    # Requests and limits from the devices (the operator's defaults: 500m + 2 CPUs, 2Gi + 16Gi per device).
+    assert container(thinker)["resources"] == {
+        "limits": {"cpu": "18", "memory": "34Gi", "nvidia.com/gpu": "2"},
+        "requests": {"cpu": "4500m", "memory": "34Gi"},
+    }
     assert thinker["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
-    assert (talker["spec"]["replicas"], container(talker)["resources"]["limits"]) == (2, {"amd.com/gpu": "1"})
+    talker_limits = {"amd.com/gpu": "1", "cpu": "10", "memory": "18Gi"}
+    assert (talker["spec"]["replicas"], container(talker)["resources"]["limits"]) == (2, talker_limits)
     assert talker["spec"]["template"]["spec"]["nodeSelector"] == {"amd.com/gpu.product-name": "AMD_Instinct_MI300X"}
     assert code2wav["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L40S"}
     model, deploy_file = "Qwen/Qwen3-Omni-30B-A3B-Instruct", "/etc/omnimodel/deploy.yaml"
