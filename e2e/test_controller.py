@@ -246,3 +246,27 @@ def test_pods_a_resourcequota_refuses_name_every_stage_refused(kube: Kube) -> No
         assert "failed quota: compute: must specify limits.cpu" in said, said
         assert f"{component}: cannot create pods: {said}" in ready["message"], ready
     print(f"Ready=False/FailedCreate {took:.2f}s after the apply: {ready['message']}")
+
+
+def test_a_missing_secret_is_named_in_status_until_it_is_created(kube: Kube) -> None:
+    """gateway.apiKeySecret naming no Secret: Ready=False/SecretNotFound naming the field and the Secret
+    (rather than Ready=True on a node that only simulates pods, or a pod stuck with no word in status).
+    Creating the Secret is noticed by the operator's re-check with no change to the OmniModel. ~30 s."""
+    doc = example("text-tiny.yaml")
+    doc["spec"]["gateway"] = {"apiKeySecret": "omni-key"}
+    kube.apply(doc)
+
+    def ready_condition() -> dict[str, Any]:
+        conditions = ((kube.get("omnimodel", "text-tiny") or {}).get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Ready"), {})
+
+    missing = wait_for(lambda: (c := ready_condition()).get("reason") == "SecretNotFound" and c, 30,
+                       what="Ready=False/SecretNotFound")  # fmt: skip
+    assert missing["status"] == "False"
+    assert f"spec.gateway.apiKeySecret: Secret {kube.ns}/omni-key not found" in missing["message"]
+    kube.run("create", "secret", "generic", "omni-key", "--from-literal=wrong-key=k")
+    wait_for(lambda: "has no key api-key" in ready_condition().get("message", ""), 30, what="the missing key named")
+    generation = kube.get("omnimodel", "text-tiny")["metadata"]["generation"]
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "omni-key"}, "stringData": {"api-key": "k"}})
+    kube.wait_ready("text-tiny")
+    assert kube.get("omnimodel", "text-tiny")["metadata"]["generation"] == generation

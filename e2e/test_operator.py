@@ -45,11 +45,24 @@ def provide_cache(kube: Kube, doc: dict[str, Any], where: Path) -> None:
         kube.bind_claim(f"{doc['metadata']['name']}-models", where)
 
 
+def provide_secrets(kube: Kube, doc: dict[str, Any]) -> None:
+    """The Secrets an example names, as its comments tell the user to create them (the operator keeps an
+    OmniModel Ready=False/SecretNotFound without them)."""
+    token = doc["spec"].get("model", {}).get("tokenSecret")
+    if token:
+        data = {token.get("key", "token"): "hf_e2e"}
+        kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": token["name"]}, "stringData": data})
+    key = doc["spec"].get("gateway", {}).get("apiKeySecret")
+    if key:
+        kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": key}, "stringData": {"api-key": "e2e"}})
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_applies_and_becomes_ready(kube: Kube, path: Path, tmp_path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    provide_secrets(kube, doc)
     result = kube.run("apply", "-f", str(path))
     assert "created" in result.stdout
-    doc = yaml.safe_load(path.read_text())
     provide_cache(kube, doc, tmp_path)
     name = doc["metadata"]["name"]
     kube.wait_ready(name)
@@ -555,7 +568,8 @@ async def test_noop_reconcile_makes_no_api_requests_against_the_real_server(kube
     from omnimodel_testbed.registry import RegistryImages
 
     for name in ("qwen-omni.yaml", "text-to-image.yaml", "tts.yaml", "custom-graph.yaml"):
-        kube.apply(doc := example(name))
+        provide_secrets(kube, doc := example(name))
+        kube.apply(doc)
         provide_cache(kube, doc, tmp_path)
     for name in ("qwen-omni", "qwen-image", "speech", "custom-chat"):
         kube.wait_ready(name)

@@ -284,6 +284,8 @@ class Controller:
             )
         else:
             self.queue.forget(key)
+        if outcome.recheck_after is not None:
+            self.enqueue(key, "retry", outcome.recheck_after)
         return outcome
 
     def _report_ready(self) -> None:

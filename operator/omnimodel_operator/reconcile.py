@@ -20,8 +20,9 @@ from pydantic import ValidationError
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, OmniModelStatus
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, OmniModelSpec, OmniModelStatus
 from omnimodel_operator.builders import Manifest, render
+from omnimodel_operator.builders.gateway import API_KEY_SECRET_KEY
 from omnimodel_operator.builders.weights import fetches, job_name
 from omnimodel_operator.drift import drift
 from omnimodel_operator.kube import ApiError, KubeClient
@@ -35,6 +36,11 @@ from omnimodel_operator.weights import weights_state
 Key = tuple[str, str]  # (kind, name)
 # The label the Job controller puts on its pods (Kubernetes 1.27+; the bare job-name too).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# How soon a pass that found a named Secret missing looks again. Secrets are looked up by name rather than
+# watched: a watch would stream every Secret of every watched namespace (Helm releases, tokens) into the
+# operator, and the chart grants no list/watch on them. So a Secret is read when the spec changes, and
+# every this many seconds while it is missing, which is how its creation is noticed.
+SECRET_RECHECK_SECONDS = 10.0
 
 
 def utc_now() -> str:
@@ -61,6 +67,8 @@ class Outcome:
     conflicts: list[str] = field(default_factory=list)
     # Whether any refusal may go away by itself (5xx, 429, timeouts): retry soon rather than later.
     transient: bool = False
+    # Seconds until this OmniModel should be reconciled again regardless of events (a Secret it names is missing).
+    recheck_after: float | None = None
 
 
 def _ref(manifest: Mapping[str, Any]) -> str:
@@ -259,6 +267,41 @@ def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: s
     }
 
 
+def secret_refs(spec: OmniModelSpec) -> list[tuple[str, str, str]]:
+    """(field, Secret name, key) of every Secret the spec names."""
+    refs = []
+    if spec.gateway.api_key_secret:
+        refs.append(("spec.gateway.apiKeySecret", spec.gateway.api_key_secret, API_KEY_SECRET_KEY))
+    if spec.model.token_secret is not None:
+        refs.append(("spec.model.tokenSecret", spec.model.token_secret.name, spec.model.token_secret.key))
+    return refs
+
+
+async def missing_secrets(client: KubeClient, namespace: str, spec: OmniModelSpec) -> tuple[str, ...]:
+    """What the spec's Secrets lack, one line each naming the field; a pod would otherwise sit in
+    CreateContainerConfigError (or, on a node that only simulates pods, look ready without its key)."""
+    out = []
+    for field_path, name, key in secret_refs(spec):
+        try:
+            secret = await client.get("v1", "Secret", namespace, name)
+        except ApiError as err:
+            if err.status == 403:  # the operator may not read Secrets here: the kubelet will say it instead
+                continue
+            raise
+        if secret is None:
+            out.append(f"{field_path}: Secret {namespace}/{name} not found")
+        elif key not in (secret.get("data") or {}):
+            out.append(f"{field_path}: Secret {namespace}/{name} has no key {key}")
+    return tuple(out)
+
+
+def _secrets_due(old: OmniModelStatus, generation: int | None) -> bool:
+    """Look the Secrets up for a spec not seen yet, and again while one was missing; not on every pass (a pass
+    over an unchanged OmniModel sends no request)."""
+    ready = cond.find([c.model_dump(by_alias=True) for c in old.conditions or ()], cond.READY)
+    return old.observed_generation != generation or (ready or {}).get("reason") == cond.SECRET_NOT_FOUND
+
+
 async def reconcile(
     client: KubeClient,
     body: Mapping[str, Any],
@@ -291,6 +334,9 @@ async def reconcile(
         await write_status(client, body, old_raw, outcome.status, now())
         return outcome
 
+    missing = await missing_secrets(client, namespace, plan.spec) if _secrets_due(old, generation) else ()
+    if missing:
+        outcome.recheck_after = SECRET_RECHECK_SECONDS
     desired = render(plan, settings, observed)
     live = {key: obj for key, obj in observed.objects.items() if owned_by(obj, uid)}
     wanted = {_key(m) for m in desired}
@@ -301,7 +347,7 @@ async def reconcile(
     else:
         current = await _apply_children(client, desired, live, outcome)
         await _prune(client, [obj for key, obj in live.items() if key not in wanted], outcome)
-    problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts))
+    problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts), missing_secrets=missing)
     status = _status(
         plan, current, observed.pods, old, generation, now(), problems, autoscalers or {}, weights_progress
     )

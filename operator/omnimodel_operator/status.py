@@ -252,6 +252,8 @@ class Problems:
 
     apply_errors: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
+    # "<field>: Secret <ns>/<name> not found" (or has no key), one per Secret the spec names and lacks.
+    missing_secrets: tuple[str, ...] = ()
 
 
 def _worst(states: Sequence[ComponentState]) -> ComponentState:
@@ -297,6 +299,8 @@ def compute_status(
         put(cond.READY, False, cond.NAME_CONFLICT, "; ".join(problems.conflicts))
     elif problems.apply_errors:
         put(cond.READY, False, cond.RECONCILE_ERROR, "; ".join(problems.apply_errors))
+    elif problems.missing_secrets:
+        put(cond.READY, False, cond.SECRET_NOT_FOUND, "; ".join(problems.missing_secrets))
     elif weights is not None and weights.failed:
         put(cond.READY, False, cond.WEIGHTS_FAILED, weights.condition_message)
     elif weights is not None and not weights.ready:
