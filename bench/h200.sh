@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
+#   bash bench/h200.sh omni-ladder omni3   (issue 39: Qwen2.5-Omni 7B sizes as three stage processes at 1,4,16,64
+#     concurrent streams, then Qwen3-Omni 30B-A3B sizes in one process at 1 and 16; OMNI_SIZE / OMNI3_SIZE=tiny,
+#     OMNI_DEVICE=cpu, OMNI_LADDER, OMNI3_LADDER and OMNI_SKIP_WHEELS=1 rehearse it on a CPU at tiny size)
 #   bash bench/h200.sh omni text t2i      (vae: Qwen-Image's VAE with and without vae_2d; omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site dist/whl/*.whl || exit 1
+if [ -z "${OMNI_SKIP_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site dist/whl/*.whl || exit 1
+fi
 export PYTHONPATH=$PWD/operator:$PWD/runtime:$PWD/e2e:/tmp/site PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 export OMNIMODEL_BENCH_LOGS=/tmp/h200-logs
-om() { python3 -m omnimodel_runtime "$@"; }
+om() { "$PY" -m omnimodel_runtime "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 status=0
 for section in "$@"; do
   started=$(date +%s)
@@ -23,6 +29,31 @@ for section in "$@"; do
         --omni-prompts 2 --omni-concurrency 1,4 --omni-requests 4 --hf-baseline 3 --start-timeout 600 \
         --omni-deployments "${OMNI_DEPLOYMENTS:-in_process,three_processes}" \
         --out "$OUT/omni-qwen2.5-omni-7b-h200.json" >/dev/null || status=1
+      ;;
+    omni-ladder)
+      # Continuous batching at scale: every stage its own process (gateway in front), 64 decode slots of
+      # 2048 positions in the thinker and talker (enough for the bench's ~100-token prompts plus 48 text
+      # tokens and 575 codes; 4096/8192 x 64 slots would not leave room for three processes), code2wav DiT
+      # passes of up to 16 streams. HF's whole model runs afterwards in its own process (3 requests).
+      size=${OMNI_SIZE:-qwen2.5-omni-7b}; model=/dev/shm/omni-$size
+      [ -d "$model" ] || { time om make-tiny --preset qwen2.5-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
+      om bench --preset qwen2.5-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
+        --omni-prompts 2 --omni-concurrency "${OMNI_LADDER:-1,4,16,64}" --omni-requests "${OMNI_REQUESTS:-16}" \
+        --omni-deployments three_processes --hf-baseline "${OMNI_HF:-3}" --start-timeout 900 \
+        --engine-arg max_batch_size=64 --engine-arg slot_capacity=2048 --engine-arg dit_batch=16 \
+        ${OMNI_ENGINE_ARGS:-} --out "$OUT/omni-ladder-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
+      ;;
+    omni3)
+      # Qwen3-Omni 30B-A3B sizes (~70 GB of bf16 weights) in one process on one GPU, MoE through grouped
+      # products (engine_args.moe's default on CUDA); its stages serve one request at a time. The 7B build
+      # leaves /dev/shm first: host memory holds one of them, not both beside three processes.
+      size=${OMNI3_SIZE:-qwen3-omni-30b-a3b}; model=/dev/shm/omni3-$size
+      [ "$size" = tiny ] || rm -rf /dev/shm/omni-qwen2.5-omni-7b /dev/shm/omni7b
+      [ -d "$model" ] || { time om make-tiny --preset qwen3-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
+      om bench --preset qwen3-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
+        --omni-prompts 2 --omni-concurrency "${OMNI3_LADDER:-1,16}" --omni-requests 16 \
+        --omni-deployments in_process --hf-baseline 0 --start-timeout 900 ${OMNI_ENGINE_ARGS:-} \
+        --out "$OUT/omni3-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
       ;;
     omni-parts)
       [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }
@@ -73,7 +104,7 @@ done
 tar -C /tmp -czf "$OUT/logs.tar.gz" h200-logs 2>/dev/null || true
 for f in "$OUT"/*.json; do
   [ -f "$f" ] || continue
-  python3 - "$f" <<'PY'
+  "$PY" - "$f" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))["results"]
 print("==", sys.argv[1], "errors:", d.get("errors"))
@@ -81,7 +112,7 @@ def walk(x, path=""):
     if isinstance(x, dict):
         for k, v in x.items():
             walk(v, f"{path}.{k}" if path else k)
-    elif any(t in path for t in ("ttfa_p50", "ttfa_max", "rtf_p50", "text_tok_s", "tokens_per_s", "latency_p50", "ratio", "pixel")):
+    elif any(t in path for t in ("ttfa_p50", "ttfa_max", "rtf_p50", "text_tok_s", "tokens_per_s", "latency_p50", "ratio", "pixel", "requests_per_s", "failures")):
         print(f"  {path} = {x}")
 walk(d)
 PY

@@ -65,10 +65,55 @@ SUPPRESSED_TAIL: Final = 1024  # the whole model's generate() suppresses the las
 CODE_GROUPS: Final = 4
 # The tiny talker rarely samples end-of-speech (see build): 24 codes = 1.92 s of audio.
 TINY_GENERATION: Final[dict[str, Any]] = {"talker": {"max_new_tokens": 24}}
+# size="qwen3-omni-30b-a3b": Qwen3-Omni-30B-A3B's sizes with random bfloat16 weights, for accelerator
+# benchmarks; 144 codes = 11.5 s of speech per answer (the random talker never ends speech on its own).
+REAL_SIZE: Final = "qwen3-omni-30b-a3b"
+REAL_CODES: Final = 2048
+REAL_GENERATION: Final[dict[str, Any]] = {"talker": {"max_new_tokens": 144}}
+SIZES: Final = ("tiny", REAL_SIZE)
 
 
-def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
-    h = THINKER_HIDDEN
+def _real(config: dict[str, Any]) -> dict[str, Any]:
+    """The tiny config's dicts at Qwen3-Omni-30B-A3B's sizes (thinker 2048 × 48 MoE layers of 128 experts,
+    8 a token; talker 1024 × 20 MoE layers, 6 of 128 experts and a shared one; code predictor 5 layers,
+    16 code groups of 2048 codes; code2wav 8 layers). From the released architecture as recalled here, not
+    checked against its config.json: the compute is of that size, its figures are not the release's."""
+    thinker, talker, code2wav = config["thinker_config"], config["talker_config"], config["code2wav_config"]
+    mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20], "interleaved": True}
+    thinker["text_config"].update(
+        vocab_size=151936, hidden_size=2048, intermediate_size=768, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, rope_parameters=mrope, max_position_embeddings=65536, initializer_range=0.02,
+    )  # fmt: skip
+    thinker["audio_config"].update(
+        num_mel_bins=128, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120, d_model=1280,
+        output_dim=2048, max_source_positions=1500, n_window_infer=800, downsample_hidden_size=480,
+    )  # fmt: skip
+    thinker["vision_config"].update(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+        num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+    )  # fmt: skip
+    talker["text_config"].update(
+        vocab_size=REAL_CODES + SUPPRESSED_TAIL, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=384,
+        shared_expert_intermediate_size=768, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=128, num_experts=128, num_experts_per_tok=6, rope_parameters=mrope, max_position_embeddings=65536,
+        initializer_range=0.02,
+    )  # fmt: skip
+    talker["code_predictor_config"].update(
+        vocab_size=REAL_CODES, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=65536, initializer_range=0.02,
+        num_code_groups=16,
+    )  # fmt: skip
+    talker.update(num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24)
+    code2wav.update(
+        codebook_size=REAL_CODES, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, num_quantizers=16, decoder_dim=1536,
+    )  # fmt: skip
+    return config
+
+
+def _config(ids: dict[str, int], vocab: int, *, real: bool = False) -> Qwen3OmniMoeConfig:
+    h = 2048 if real else THINKER_HIDDEN
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True}
     text = {
         "vocab_size": vocab,
@@ -127,7 +172,7 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
         "user_token_id": ids["user"],
         **placeholders,
     }
-    c = CODES
+    c = REAL_CODES if real else CODES
     codec = {
         "codec_pad_id": c,
         "codec_bos_id": c + 1,
@@ -193,10 +238,9 @@ def _config(ids: dict[str, int], vocab: int) -> Qwen3OmniMoeConfig:
         "num_quantizers": CODE_GROUPS,
         "decoder_dim": 64,
     }
+    parts = {"thinker_config": thinker, "talker_config": talker, "code2wav_config": code2wav}
     return Qwen3OmniMoeConfig(
-        thinker_config=thinker,
-        talker_config=talker,
-        code2wav_config=code2wav,
+        **(_real(parts) if real else parts),
         im_start_token_id=ids[IM_START],
         im_end_token_id=ids[IM_END],
         tts_pad_token_id=ids[TTS_PAD],
@@ -235,8 +279,9 @@ def _make_audible(model: Qwen3OmniMoeForConditionalGeneration, seed: int) -> Non
 
 def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> None:
     """Write a random-weight Qwen3-Omni checkpoint (MoE thinker, talker with code predictor, code2wav)."""
-    if size != "tiny":
-        raise ValueError(f"unknown size {size!r} for preset {PRESET} (known: tiny)")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for preset {PRESET} (known: {', '.join(SIZES)})")
+    real = size == REAL_SIZE
     hf_logging.disable_progress_bar()
     tokenizer = _tokenizer(seed, EXTRA_TOKENS, (AUDIO_PAD, IMAGE_PAD, VIDEO_PAD))
     ids = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in (*EXTRA_TOKENS, IM_START, IM_END)}
@@ -244,11 +289,17 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        config = _config(ids, len(tokenizer))
+        config = _config(ids, len(tokenizer), real=real)
         # Module initialisers draw from the global RNG: the same seed must give the same bytes.
         torch.manual_seed(seed)
-        with torch.device(device):
-            model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+        # At real size built in bfloat16 from the start, as released: float32 would not fit an 80 GB GPU.
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16 if real else dtype)
+        try:
+            with torch.device(device):
+                model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+        finally:
+            torch.set_default_dtype(dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
     with torch.no_grad():
@@ -267,6 +318,7 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
     with torch.no_grad():
         # No placeholders, TTS controls or role markup in random text.
         head[[ids[t] for t in EXTRA_TOKENS]] = 0.0
+        head[len(tokenizer) :] = 0.0  # the real vocabulary is wider than the local tokenizer's
         # A random stop head would end speech after a few codes: a zero row sits mid-ranking, where top-k
         # sampling rarely reaches, so utterances run to the cap.
         model.talker.codec_head.weight[config.talker_config.codec_eos_token_id] = 0.0
@@ -278,9 +330,10 @@ def build(out: Path, *, seed: int, size: str = "tiny", device: str = "cpu") -> N
         mel_bins, "Qwen3OmniMoeProcessor", patch_size=int(config.thinker_config.vision_config.patch_size)
     )
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
-    (out / OMNI_GENERATION_FILE).write_text(json.dumps(TINY_GENERATION, indent=2) + "\n")
+    generation = REAL_GENERATION if real else TINY_GENERATION
+    (out / OMNI_GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     (out / "README.md").write_text(
-        f"Random-weight Qwen3OmniMoeForConditionalGeneration (tiny) built by `omnimodel make-tiny --preset "
+        f"Random-weight Qwen3OmniMoeForConditionalGeneration ({size}) built by `omnimodel make-tiny --preset "
         f"{PRESET}` (seed {seed}); voices {', '.join(VOICES)}. Not a trained model: its text and audio are noise.\n"
     )
     (out / "omnimodel-build.json").write_text(json.dumps({"preset": PRESET, "seed": seed, "size": size}) + "\n")
