@@ -117,6 +117,10 @@ class GatewaySpec(KubeModel):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description="Type of the gateway Service. Default ClusterIP."
     )
-    resources: Resources | None = Field(default=None, description="Gateway container resources.")
+    resources: Resources | None = Field(
+        default=None,
+        description="Gateway container CPU/memory requests and limits, defaulted as a stage's are from the "
+        "operator's gateway requests (no per-device part).",
+    )
     node_selector: dict[str, str] | None = Field(default=None, description="Gateway node selector.")
     tolerations: list[Toleration] | None = Field(default=None, max_length=32, description="Gateway tolerations.")

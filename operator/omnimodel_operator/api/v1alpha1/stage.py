@@ -245,7 +245,13 @@ class StageSpec(KubeModel):
     )
     replicas: int | None = Field(default=None, ge=0, le=1000, description="Pods for this stage. Default 1.")
     accelerator: Accelerator | None = Field(default=None, description="Devices per replica.")
-    resources: Resources | None = Field(default=None, description="CPU/memory; device limits come from accelerator.")
+    resources: Resources | None = Field(
+        default=None,
+        description="CPU/memory requests and limits. A resource not requested here is requested at the "
+        "operator's default (its stage requests plus its per-device requests for each device of a replica), or "
+        "at its limit when only limited here; a requested resource not limited here is limited to a multiple "
+        "of its request (by default memory 1x, CPU 4x). Device limits come from accelerator.",
+    )
     node_selector: dict[str, str] | None = Field(
         default=None, description="Extra node labels, merged over the accelerator's product label."
     )
