@@ -51,7 +51,7 @@ for section in "$@"; do
       [ "$size" = tiny ] || rm -rf /dev/shm/omni-qwen2.5-omni-7b /dev/shm/omni7b
       [ -d "$model" ] || { time om make-tiny --preset qwen3-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
       om bench --preset qwen3-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
-        --omni-prompts 2 --omni-concurrency "${OMNI3_LADDER:-1,16}" --omni-requests 16 \
+        --omni-prompts 2 --omni-concurrency "${OMNI3_LADDER:-1,16}" --omni-requests "${OMNI3_REQUESTS:-4}" \
         --omni-deployments in_process --hf-baseline 0 --start-timeout 900 ${OMNI_ENGINE_ARGS:-} \
         --out "$OUT/omni3-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
       ;;
