@@ -2,7 +2,9 @@
 
 They follow the body of ``Qwen3OmniMoeForConditionalGeneration.generate()`` (transformers), on the Qwen2.5-Omni
 engines' mechanism (:class:`~omnimodel_runtime.engines.omni.engine.OmniEngine`: a worker thread fed the
-upstream frames, one request at a time, cancellation checked at every step):
+upstream frames, cancellation checked at every step), one request at a time or, with ``engine_args.batching``
+(the default on accelerators), batched as Qwen2.5-Omni's stages are (:mod:`.slots`: decode steps of every
+running request over per-request KV cache slots, with Qwen3's query/key norms):
 
 - **thinker** (:class:`Qwen3ThinkerEngine`): the Qwen2.5-Omni thinker engine (chat template, sampling, stop
   strings, forced replies, voices, audio, image and video input through ``Qwen3OmniMoeProcessor``) on
@@ -10,7 +12,8 @@ upstream frames, one request at a time, cancellation checked at every step):
   positions (its ``text_projection`` of them) and, at audio/image/video placeholders of the prompt, the hidden
   states of layer ``accept_hidden_layer`` (its ``hidden_projection``), so the row hook streams those: every
   prompt position after the prefill (a forward hook on that decoder layer keeps the prefill's output), then
-  one embedding row per consumed reply token.
+  one embedding row per consumed reply token. Batched, text requests decode together in slots (a request
+  with media runs whole through ``generate()`` beside them, as in Qwen2.5-Omni's thinker).
 - **talker** (:class:`Qwen3TalkerEngine`): builds the whole model's talker inputs (user turns and the
   assistant's first tokens projected, the ``trailing_text_hidden`` of the rest of the reply, ``tts_pad``, the
   media's feature lengths, patch grids and a video's seconds per temporal patch for its M-RoPE) and runs

@@ -5,6 +5,7 @@ positions and, at audio/image/video placeholders of the prompt, the hidden state
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,8 +15,12 @@ from transformers import Qwen3OmniMoeProcessor, Qwen3OmniMoeThinkerForConditiona
 from omnimodel_runtime.engines.omni.common import load_part
 from omnimodel_runtime.engines.omni.engine import OmniJob
 from omnimodel_runtime.engines.omni.inputs import load_processor
-from omnimodel_runtime.engines.omni.qwen3.common import load_config, moe_experts, one_at_a_time, speakers
+from omnimodel_runtime.engines.omni.qwen3.common import load_config, moe_experts, speakers
+from omnimodel_runtime.engines.omni.qwen3.slots import Qwen3SlotDecoder
 from omnimodel_runtime.engines.omni.thinker import OmniThinkerEngine
+from omnimodel_runtime.engines.slots import SlotTable, supported
+
+log = logging.getLogger(__name__)
 
 
 class Qwen3ThinkerEngine(OmniThinkerEngine):
@@ -51,8 +56,29 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
             raise RuntimeError(f"talker_config.accept_hidden_layer {self._accept_layer} is not in 0..{layers}")
         self._processor = load_processor(model_dir, Qwen3OmniMoeProcessor)
         moe_experts(self, self.model)
-        one_at_a_time(self)
         self.loaded(tc.get_text_config())
+
+    def _load_slots(self) -> None:
+        """Batched serving's decode slots (the Qwen2.5 thinker's, with Qwen3's query/key norms); text
+        requests decode in them, a request with media runs whole through ``generate()`` (its M-RoPE shift)."""
+        problem = supported(self.model.model)
+        if problem is not None:
+            log.warning("The thinker serves one request at a time: %s", problem)
+            self.batched = False
+            return
+        # Every request must fit a slot: the context limit becomes the slot capacity.
+        self._max_model_len = min(self._max_model_len, int(self.args.get("slot_capacity", 4096)))
+        decoder = Qwen3SlotDecoder(
+            self.model.model,
+            self.model.lm_head,
+            hidden=False,
+            slots=self.max_batch,
+            capacity=self._max_model_len,
+            graphs=self.graphs,
+            compiled=self.compiled,
+        )
+        decoder.capture_all()
+        self._slots = SlotTable(decoder)
 
     def speaker_token(self, voice: str) -> int:
         """Qwen3-Omni starts a voice's speech with its codec id (the talker's vocabulary)."""
