@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
-import httpx
+from aiohttp.abc import AbstractResolver
+from yarl import URL
 
 from omnimodel_runtime.errors import StageError, StageUnavailableError
 from omnimodel_runtime.metrics import StageTraffic
@@ -141,7 +142,7 @@ class RemoteStage(StageHandle):
         settings: RuntimeSettings,
         *,
         endpoints: tuple[str, ...] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        resolver: AbstractResolver | None = None,
         traffic: StageTraffic | None = None,
     ) -> None:
         super().__init__(stage)
@@ -153,12 +154,14 @@ class RemoteStage(StageHandle):
         self._configured = tuple(url.rstrip("/") for url in urls)
         self._settings = settings
         self._timeouts = settings.timeouts_for(stage.name)
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        # Streamed request bodies need a full-duplex client: httpcore sends the whole body before it
-        # reads the response, so a downstream stage's output could only start once its upstream had
-        # finished. aiohttp writes the body from its own task while the response is read.
-        self._duplex: aiohttp.ClientSession | None = None
+        # How the connector turns a host into addresses (tests map made-up hosts onto loopback servers).
+        self._resolver = resolver
+        # One client for everything sent to the stage. aiohttp, because a downstream stage's request body
+        # is its upstream's output as it is produced: aiohttp writes the body from its own task while the
+        # response is read (full duplex), where httpx (httpcore) sends the whole body first, so a talker
+        # could only start once its thinker had finished. It also streams responses and pools keep-alive
+        # connections per endpoint, and sets TCP_NODELAY on each (frames are small and latency-bound).
+        self._client: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._rotation = itertools.count()
         self._traffic = traffic
@@ -170,15 +173,18 @@ class RemoteStage(StageHandle):
         self._probed = asyncio.Condition()
 
     async def start(self) -> None:
-        # TCP_NODELAY: frames are small and latency-bound (one per token); Nagle would hold them back.
-        transport = self._transport or httpx.AsyncHTTPTransport(
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], retries=0
-        )
         t = self._timeouts
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.read, pool=t.connect),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        self._client = aiohttp.ClientSession(
+            # No bound on a whole request (a generation takes as long as it takes): the connect and the
+            # silence between two reads are bounded instead.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.read),
+            # A name is looked up on every new connection, never from a cache: a stage's pods come and go.
+            connector=aiohttp.TCPConnector(
+                limit=0, resolver=self._resolver, use_dns_cache=False, enable_cleanup_closed=True
+            ),
+            # The pipeline file names the stage's address; a proxy from the environment has no say.
+            trust_env=False,
+            auto_decompress=False,
         )
         await self.check_health()
         self._poller = asyncio.create_task(self._poll())
@@ -190,11 +196,8 @@ class RemoteStage(StageHandle):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
-        if self._duplex is not None:
-            await self._duplex.close()
-            self._duplex = None
 
     @property
     def ready(self) -> bool:
@@ -221,8 +224,10 @@ class RemoteStage(StageHandle):
         assert self._client is not None
         timeout = self._timeouts.health
         try:
-            resp = await self._client.get(f"{endpoint.url}/health", timeout=timeout)
-        except httpx.TimeoutException:
+            async with self._client.get(f"{endpoint.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                status = resp.status
+        except TimeoutError:
             # Accepted (or queued) but not answered. Once: out of the pool (a CPU-starved process may just
             # be slow). Twice in a row: a hung process; waiting longer on it helps nobody.
             endpoint.timeouts += 1
@@ -230,15 +235,15 @@ class RemoteStage(StageHandle):
             if endpoint.hung:
                 endpoint.stalled()
             return
-        except httpx.HTTPError as err:
+        except aiohttp.ClientError as err:
             endpoint.timeouts = 0
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
             return
         endpoint.timeouts = 0
-        if resp.status_code == 200:
+        if status == 200:
             self._mark(endpoint, healthy=True, error=None)
         else:
-            self._mark(endpoint, healthy=False, error=f"/health answered {resp.status_code}")
+            self._mark(endpoint, healthy=False, error=f"/health answered {status}")
 
     def _mark(self, endpoint: Endpoint, *, healthy: bool, error: str | None) -> None:
         if endpoint.healthy != healthy:
@@ -269,8 +274,8 @@ class RemoteStage(StageHandle):
         loop = asyncio.get_running_loop()
         wanted: list[str] = []
         for url in self._configured:
-            parsed = httpx.URL(url)
-            host, port = parsed.host, parsed.port or (443 if parsed.scheme == "https" else 80)
+            parsed = URL(url)
+            host, port = parsed.host or "", parsed.port or (443 if parsed.scheme == "https" else 80)
             if _is_ip(host):
                 wanted.append(url)
                 continue
@@ -282,7 +287,7 @@ class RemoteStage(StageHandle):
                 wanted.append(url)
                 continue
             addresses = sorted({str(info[4][0]) for info in infos})
-            wanted.extend(str(parsed.copy_with(host=addr)).rstrip("/") for addr in addresses)
+            wanted.extend(str(parsed.with_host(addr)).rstrip("/") for addr in addresses)
         current = {e.url: e for e in self.endpoints}
         if list(current) != wanted:
             log.info("Stage %s endpoints: %s", self.name, ", ".join(wanted))
@@ -358,31 +363,23 @@ class RemoteStage(StageHandle):
             raise StageUnavailableError(f"stage {self.name!r} client is not started")
         head = encode_frame_bytes(RequestFrame(request=inp.request, tensors=inp.tensors))
         headers = {**_HEADERS, REQUEST_ID_HEADER: inp.request.request_id}
+        # A downstream stage's body is the request frame followed by the upstream stage's frames as they
+        # are produced, so it starts before the upstream one has finished. That stream can be consumed
+        # once: exactly one attempt. A request with a body of its own may go to another endpoint while
+        # nothing of it has reached the caller.
+        retry = inp.upstream is None
         failures: list[str] = []
-        if inp.upstream is not None:
-            # A downstream stage: the body is the request frame followed by the upstream stage's frames
-            # as they are produced, so this stage starts before the upstream one has finished. The
-            # stream can be consumed once, so there is exactly one attempt.
-            endpoint = await self._choose(set(), failures)
-            sent = self._sent(endpoint)
-            done = False
-            try:
-                async for frame in self._duplex_stream(endpoint, _streamed_body(head, inp.upstream), headers):
-                    # The caller may stop reading at the final frame: that is the end of the work.
-                    done = done or isinstance(frame, FinalFrame)
-                    yield frame
-            finally:
-                self._finished(endpoint, sent if done else None)
-            return
         tried: set[str] = set()
         stale_retried: set[str] = set()
         while True:
             endpoint = await self._choose(tried, failures)
+            body = head if inp.upstream is None else _streamed_body(head, inp.upstream)
             sent = self._sent(endpoint)
             started = done = False
             try:
-                async for frame in self._stream(endpoint, head, headers):
+                async for frame in self._stream(endpoint, body, headers, retry=retry):
                     started = True
+                    # The caller may stop reading at the final frame: that is the end of the work.
                     done = done or isinstance(frame, FinalFrame)
                     yield frame
                 return
@@ -403,13 +400,18 @@ class RemoteStage(StageHandle):
             raise StageUnavailableError(f"stage {self.name!r} client is not started")
         endpoint = await self._choose(set(), [])
         try:
-            resp = await self._client.get(f"{endpoint.url}{INFO_PATH}", timeout=self._timeouts.health)
-        except httpx.HTTPError as err:
-            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
-            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
-        if resp.status_code != 200:
-            raise StageError(f"stage {self.name!r} answered {INFO_PATH} with HTTP {resp.status_code}", status=502)
-        return StageInfo.model_validate_json(resp.content).voices
+            async with self._client.get(
+                f"{endpoint.url}{INFO_PATH}", timeout=aiohttp.ClientTimeout(total=self._timeouts.health)
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise StageUnavailableError(
+                f"stage {self.name!r} is unavailable ({endpoint.url}: {type(err).__name__} on {INFO_PATH})"
+            ) from err
+        if status != 200:
+            raise StageError(f"stage {self.name!r} answered {INFO_PATH} with HTTP {status}", status=502)
+        return StageInfo.model_validate_json(raw).voices
 
     def _sent(self, endpoint: Endpoint) -> float:
         """Count an attempt as in flight (on the endpoint, for balancing; on the stage, for autoscaling)."""
@@ -423,40 +425,6 @@ class RemoteStage(StageHandle):
         endpoint.in_flight -= 1
         if self._traffic is not None:
             self._traffic.finished(self.name, None if sent is None else time.monotonic() - sent)
-
-    async def _duplex_stream(
-        self, endpoint: Endpoint, body: AsyncIterator[bytes], headers: dict[str, str]
-    ) -> AsyncIterator[ResponseFrame]:
-        if self._duplex is None:
-            t = self._timeouts
-            self._duplex = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.read),
-                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            )
-        try:
-            async with _Watch(endpoint):
-                resp = await self._duplex.post(endpoint.generate_url, data=body, headers=headers, chunked=True)
-            async with resp:
-                if resp.status != 200:
-                    raw = await resp.read()
-                    raise _error_from_body(self.name, resp.status, resp.headers.get("content-type", ""), raw)
-                if (sock := resp.connection and resp.connection.transport) is not None:
-                    sock.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                chunks = _watched(endpoint, resp.content.iter_any())
-                async with contextlib.aclosing(self._frames(endpoint, chunks)) as frames:
-                    async for frame in frames:
-                        yield frame
-        except _StalledError as err:
-            raise self._stopped_answering(endpoint) from err
-        except aiohttp.ClientConnectorError as err:
-            self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
-            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
-        except TimeoutError as err:
-            raise self._silent(endpoint) from err
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
-            raise self._lost(endpoint, err) from err
-        except FrameError as err:
-            raise self._malformed(endpoint, err) from err
 
     async def _frames(self, endpoint: Endpoint, chunks: AsyncIterator[bytes]) -> AsyncGenerator[ResponseFrame, None]:
         """The frames of a stage's 200 response, up to its final one; an error frame is raised."""
@@ -472,40 +440,47 @@ class RemoteStage(StageHandle):
                     return
         raise StageError(f"stage {self.name!r} at {endpoint.url} ended its response without a final frame", status=502)
 
-    async def _stream(self, endpoint: Endpoint, body: bytes, headers: dict[str, str]) -> AsyncIterator[ResponseFrame]:
+    async def _stream(
+        self, endpoint: Endpoint, body: bytes | AsyncIterator[bytes], headers: dict[str, str], *, retry: bool
+    ) -> AsyncIterator[ResponseFrame]:
+        """One attempt at ``endpoint``. With ``retry``, a failure before the stage produced anything is
+        :class:`_RetryableError` (the caller may try another endpoint); without, it is the request's error."""
         assert self._client is not None
         responded = yielded = False
-        request = self._client.build_request("POST", endpoint.generate_url, content=body, headers=headers)
         try:
             async with _Watch(endpoint):
-                resp = await self._client.send(request, stream=True)
-            try:
+                # A body still being produced goes chunked; a whole one with its length.
+                chunked = None if isinstance(body, bytes) else True
+                resp = await self._client.post(endpoint.generate_url, data=body, headers=headers, chunked=chunked)
+            async with resp:
                 responded = True
-                if resp.status_code == 503:
-                    await resp.aread()
+                if resp.status == 503 and retry:
+                    await resp.read()
                     self._mark(endpoint, healthy=False, error="stage answered 503 (not ready)")
                     raise _RetryableError("not ready (503)")
-                if resp.status_code != 200:
-                    raise await self._http_error(resp)
-                chunks = _watched(endpoint, resp.aiter_raw())
+                if resp.status != 200:
+                    raw = await resp.read()
+                    raise _error_from_body(self.name, resp.status, resp.headers.get("content-type", ""), raw)
+                chunks = _watched(endpoint, resp.content.iter_any())
                 async with contextlib.aclosing(self._frames(endpoint, chunks)) as frames:
                     async for frame in frames:
                         yielded = True
                         yield frame
-            finally:
-                await resp.aclose()
         except _StalledError as err:
-            if not yielded:
+            if retry and not yielded:
                 # Nothing reached the caller: another endpoint can still answer the whole request.
                 raise _RetryableError("stopped answering (its /health timed out)") from err
             raise self._stopped_answering(endpoint) from err
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as err:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as err:
+            # No connection, so no request ran.
             self._mark(endpoint, healthy=False, error=f"{type(err).__name__}: {err}")
-            raise _RetryableError(f"cannot connect ({type(err).__name__})") from err
-        except httpx.ReadTimeout as err:
+            if retry:
+                raise _RetryableError(f"cannot connect ({type(err).__name__})") from err
+            raise StageUnavailableError(f"stage {self.name!r} is unavailable ({endpoint.url}: {err})") from err
+        except TimeoutError as err:
             raise self._silent(endpoint) from err
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
-            if not responded:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as err:
+            if retry and not responded:
                 # Typically a pooled keep-alive connection the stage had closed (e.g. a restart): the
                 # request never ran, so another attempt is safe. A dead stage then refuses the connect.
                 raise _RetryableError(f"{type(err).__name__}: {_STALE}") from err
@@ -513,7 +488,7 @@ class RemoteStage(StageHandle):
         except FrameError as err:
             raise self._malformed(endpoint, err) from err
 
-    # What went wrong mid-response, the same whichever client (httpx or aiohttp) saw it.
+    # What went wrong mid-response.
 
     def _silent(self, endpoint: Endpoint) -> StageError:
         # A stalled stream: the endpoint leaves the pool until its /health answers again.
@@ -538,10 +513,6 @@ class RemoteStage(StageHandle):
 
     def _malformed(self, endpoint: Endpoint, err: FrameError) -> StageError:
         return StageError(f"stage {self.name!r} at {endpoint.url} sent a malformed frame: {err}", status=502)
-
-    async def _http_error(self, resp: httpx.Response) -> StageError:
-        raw = await resp.aread()
-        return _error_from_body(self.name, resp.status_code, resp.headers.get("content-type", ""), raw)
 
 
 def _error_from_body(stage: str, status: int, content_type: str, raw: bytes) -> StageError:

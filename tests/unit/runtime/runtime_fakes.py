@@ -169,10 +169,10 @@ def build_counting(out: Path, *, seed: int) -> None:
     (out / "config.json").write_text("{}")
 
 
-async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
+async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack, *, wait: bool = True) -> str:
     """A real uvicorn server on 127.0.0.1 in this event loop, running the app's lifespan, until ``stack``
     closes: httpx's ASGI transport buffers whole responses, so it can show neither chunks arriving nor
-    a stream cut short."""
+    a stream cut short. By default it returns once the app is warm (``wait=False``: once it listens)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -187,5 +187,6 @@ async def serve_on_loopback(app: FastAPI, stack: AsyncExitStack) -> str:
     while not server.started:
         assert not task.done(), "stage server failed to start"
         await asyncio.sleep(0.01)
-    await app.state.startup.wait()
+    if wait:
+        await app.state.startup.wait()
     return f"http://127.0.0.1:{port}"

@@ -1,9 +1,11 @@
-"""Gateway -> stage over the frame protocol (RemoteStage + stage server), all in memory through ASGI."""
+"""Gateway -> stage over the frame protocol (RemoteStage + stage server): stage servers on loopback, the
+gateway reached in memory through ASGI."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,13 +14,28 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import httpx
 import numpy as np
 import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
 from fastapi import FastAPI
-from runtime_fakes import FakeEngine, asgi_client, fake_context, lifespan, omni_pipeline, text_pipeline
+from runtime_fakes import (
+    FakeEngine,
+    asgi_client,
+    fake_context,
+    lifespan,
+    omni_pipeline,
+    serve_on_loopback,
+    text_pipeline,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from yarl import URL
 
 from omnimodel_runtime.gateway import build_app
 from omnimodel_runtime.pipeline import Pipeline
 from omnimodel_runtime.protocol.frames import MEDIA_TYPE, decode_frames, encode_frame_bytes, encode_frames
 from omnimodel_runtime.protocol.stage import (
+    GENERATE_PATH,
     ErrorFrame,
     FinalFrame,
     RequestFrame,
@@ -37,27 +54,36 @@ from omnimodel_runtime.stage.server import build_stage_app
 USER = [{"role": "user", "content": "hello there"}]
 
 
-class Router(httpx.AsyncBaseTransport):
-    """Sends each request to the ASGI app registered for its host:port; unknown ones refuse to connect."""
+class Router(AbstractResolver):
+    """The gateway's name service: each made-up stage address (``stage-a:8001``) resolves to the loopback
+    server that serves it; an unknown one to a loopback port that refuses connections (bound, never
+    listening)."""
 
     def __init__(self) -> None:
-        self.apps: dict[str, httpx.ASGITransport] = {}
-        self.refused: list[str] = []
+        self.ports: dict[str, int] = {}
+        self._refusing = socket.socket()
+        self._refusing.bind(("127.0.0.1", 0))
 
-    def add(self, netloc: str, app: FastAPI) -> None:
-        self.apps[netloc] = httpx.ASGITransport(app=app)
+    def add(self, url: str, served: str) -> None:
+        """Route ``url``'s host and port to the server at ``served``."""
+        self.ports[URL(url).raw_authority] = URL(served).port or 80
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        netloc = request.url.netloc.decode()
-        transport = self.apps.get(netloc)
-        if transport is None:
-            self.refused.append(netloc)
-            raise httpx.ConnectError("Connection refused", request=request)
-        return await transport.handle_async_request(request)
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        real = self.ports.get(f"{host}:{port}", self._refusing.getsockname()[1])
+        return [
+            ResolveResult(
+                hostname=host, host="127.0.0.1", port=real, family=socket.AF_INET, proto=0, flags=socket.AI_NUMERICHOST
+            )
+        ]
+
+    async def close(self) -> None:
+        self._refusing.close()
 
 
 class Cluster:
-    """Stage servers with fake engines at made-up addresses, and a gateway reaching them over ``Router``."""
+    """Stage servers with fake engines on loopback, known to the gateway by made-up addresses (``Router``)."""
 
     def __init__(self, endpoints: tuple[str, ...], *, live: tuple[str, ...] | None = None) -> None:
         self.settings = RuntimeSettings(health_interval=3600)
@@ -68,20 +94,23 @@ class Cluster:
         stage = self.pipeline.entry
         for url in live if live is not None else endpoints:
             engine = FakeEngine(fake_context(stage))
-            app = build_stage_app(self.settings, self.pipeline, stage.name, engine=engine)
-            netloc = httpx.URL(url).netloc.decode()
-            self.router.add(netloc, app)
+            self.stage_apps[url] = build_stage_app(self.settings, self.pipeline, stage.name, engine=engine)
             self.engines[url] = engine
-            self.stage_apps[url] = app
-        self.remote = RemoteStage(stage, self.settings, transport=self.router)
+        self.remote = RemoteStage(stage, self.settings, resolver=self.router)
         handles: dict[str, StageHandle] = {stage.name: self.remote}
         self.gateway = build_app(self.settings, self.pipeline, handles)
 
+    async def serve(self, url: str, app: FastAPI, stack: AsyncExitStack, *, wait: bool = True) -> None:
+        """Serve ``app`` on loopback as the stage endpoint ``url``."""
+        self.router.add(url, await serve_on_loopback(app, stack, wait=wait))
+
     @asynccontextmanager
-    async def running(self) -> AsyncIterator[httpx.AsyncClient]:
+    async def running(self, *, warm: tuple[str, ...] | None = None) -> AsyncIterator[httpx.AsyncClient]:
+        """Every stage server up (those not in ``warm``, when given, still warming), then the gateway."""
         async with AsyncExitStack() as stack:
-            for app in self.stage_apps.values():
-                await stack.enter_async_context(lifespan(app))
+            stack.push_async_callback(self.router.close)
+            for url, app in self.stage_apps.items():
+                await self.serve(url, app, stack, wait=warm is None or url in warm)
             await stack.enter_async_context(lifespan(self.gateway))
             yield await stack.enter_async_context(asgi_client(self.gateway))
 
@@ -150,7 +179,7 @@ async def test_a_refused_endpoint_fails_over_and_is_marked_unhealthy() -> None:
         assert len(cluster.engines[alive].requests) == 3
         endpoints = {e["url"]: e for e in (await http.get("/health")).json()["stages"]["llm"]["endpoints"]}
         assert endpoints[dead]["healthy"] is False
-        assert "ConnectError" in endpoints[dead]["error"]
+        assert "Cannot connect to host stage-dead:8001" in endpoints[dead]["error"]
         # The gateway is still healthy: the stage has a healthy endpoint.
         assert (await http.get("/health")).status_code == 200
 
@@ -175,11 +204,7 @@ async def test_a_stage_that_is_still_warming_answers_503_and_is_skipped() -> Non
     cluster = Cluster((warm, cold))
     gate = asyncio.Event()
     cluster.engines[cold].gate = gate
-    async with AsyncExitStack() as stack:
-        await stack.enter_async_context(lifespan(cluster.stage_apps[warm]))
-        await stack.enter_async_context(lifespan(cluster.stage_apps[cold], wait=False))
-        await stack.enter_async_context(lifespan(cluster.gateway))
-        http = await stack.enter_async_context(asgi_client(cluster.gateway))
+    async with cluster.running(warm=(warm,)) as http:
         async with asgi_client(cluster.stage_apps[cold]) as stage_http:
             assert (await stage_http.get("/health")).status_code == 503
             assert (await stage_http.get("/livez")).status_code == 200
@@ -277,21 +302,23 @@ async def test_remote_stage_turns_a_truncated_stream_into_a_502() -> None:
     stage = text_pipeline().entry
     truncated = encode_frames([TextFrame(" w0", (1,))])
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200)
-        return httpx.Response(200, stream=httpx.ByteStream(truncated), headers={"content-type": MEDIA_TYPE})
+    async def health(_: Request) -> Response:
+        return Response()
 
-    remote = RemoteStage(stage, RuntimeSettings(), endpoints=("http://s:1",), transport=httpx.MockTransport(handler))
-    await remote.start()
-    try:
+    async def generate(_: Request) -> Response:
+        return Response(truncated, media_type=MEDIA_TYPE)
+
+    app = Starlette(routes=[Route("/health", health), Route(GENERATE_PATH, generate, methods=["POST"])])
+    async with AsyncExitStack() as stack:
+        url = await serve_on_loopback(app, stack, wait=False)  # type: ignore[arg-type]
+        remote = RemoteStage(stage, RuntimeSettings(), endpoints=(url,))
+        await remote.start()
+        stack.push_async_callback(remote.stop)
         frames = remote.generate(StageInput(request=StageRequest(request_id="x", prompt="p")))
         assert await anext(frames) == TextFrame(" w0", (1,))
         with pytest.raises(Exception, match="without a final frame") as info:
             await anext(frames)
         assert getattr(info.value, "status", None) == 502
-    finally:
-        await remote.stop()
 
 
 async def test_hostnames_expand_to_one_endpoint_per_address_and_keep_their_state() -> None:
@@ -300,7 +327,7 @@ async def test_hostnames_expand_to_one_endpoint_per_address_and_keep_their_state
     pipeline = text_pipeline(
         endpoints=("http://localhost:8123", "http://10.1.2.3:8001", "http://no-such-host.invalid:1")
     )
-    remote = RemoteStage(pipeline.entry, settings, transport=Router())
+    remote = RemoteStage(pipeline.entry, settings)
     await remote.resolve_endpoints()
     urls = [e.url for e in remote.endpoints]
     assert "http://127.0.0.1:8123" in urls
@@ -338,16 +365,15 @@ class WakingCluster(Cluster):
         self.settings = RuntimeSettings(health_interval=3600, stage_wake={"llm": wake}, resolve_endpoints=False)
         registry = CollectorRegistry()
         self.remote = RemoteStage(
-            self.pipeline.entry, self.settings, transport=self.router, traffic=StageTraffic(registry)
+            self.pipeline.entry, self.settings, resolver=self.router, traffic=StageTraffic(registry)
         )
         self.gateway = build_app(self.settings, self.pipeline, {"llm": self.remote}, registry=registry)
 
-    def replica(self) -> FastAPI:
-        """The stage's first replica, reachable at its address once its lifespan runs."""
+    async def replica(self, stack: AsyncExitStack) -> None:
+        """Start the stage's first replica at its address."""
         stage = self.pipeline.entry
         app = build_stage_app(self.settings, self.pipeline, stage.name, engine=FakeEngine(fake_context(stage)))
-        self.router.add("stage-a:8001", app)
-        return app
+        await self.serve("http://stage-a:8001", app, stack)
 
 
 def _sample(page: str, name: str) -> float:
@@ -374,7 +400,8 @@ async def test_a_request_for_a_stage_at_zero_is_held_until_a_replica_answers() -
         assert _sample(page, "omnimodel_gateway_stage_waiting") == 1
         assert _sample(page, "omnimodel_gateway_stage_in_flight") == 0
         assert not chat.done()
-        async with lifespan(cluster.replica()):
+        async with AsyncExitStack() as stack:
+            await cluster.replica(stack)
             resp = await asyncio.wait_for(chat, 10)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["message"]["content"] == " w0 w1"
