@@ -32,6 +32,7 @@ Condition semantics (the choices DESIGN left open):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -76,12 +77,27 @@ def _unschedulable(pods: Iterable[Manifest]) -> str | None:
 _STARTING = (None, "ContainerCreating", "PodInitializing")
 
 
+# A line that starts a message at column 0: "ValueError: ...", "omnimodel stage: ...", a log record.
+_HEADED = re.compile(r"^\S.*?: ")
+
+
+def _last_words(text: str, limit: int = 300) -> str:
+    """The end of a termination message on one line, from its last line that starts a message (a
+    traceback's exception, an error printed with its details below it), cropped to ``limit``."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    start = next((i for i in reversed(range(len(lines))) if _HEADED.match(lines[i])), max(0, len(lines) - 1))
+    said = " ".join(" ".join(lines[start:]).split())
+    return said if len(said) <= limit else said[: limit - 1] + "…"
+
+
 def _container_trouble(pods: Iterable[Manifest]) -> str | None:
     """What the kubelet says keeps a container from running, in its words: a waiting reason other than
     starting up (ImagePullBackOff, ErrImagePull, CrashLoopBackOff, CreateContainerConfigError) with its
     message, which names the image or the failed container, and how the container last ended
-    (``OOMKilled``, exit code 137). Containers that are ready are not trouble, whatever they once were, and
-    neither are pods on their way out (an old pod stopping in a rollout, an evicted one already replaced)."""
+    (``OOMKilled``, exit code 137) with the end of its termination message (the runtime's containers fall
+    back to their log's tail: a crash's exception). Containers that are ready are not trouble, whatever
+    they once were, and neither are pods on their way out (an old pod stopping in a rollout, an evicted
+    one already replaced)."""
     for pod in pods:
         status = pod.get("status") or {}
         if (pod.get("metadata") or {}).get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
@@ -96,7 +112,9 @@ def _container_trouble(pods: Iterable[Manifest]) -> str | None:
             if waiting.get("reason") not in _STARTING:
                 parts.append(f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
             if ended.get("reason") not in (None, "Completed"):
-                parts.append(f"last terminated {ended['reason']} (exit code {ended.get('exitCode')})")
+                ending = f"last terminated {ended['reason']} (exit code {ended.get('exitCode')})"
+                said = _last_words(str(ended.get("message") or ""))
+                parts.append(f"{ending}: {said}" if said else ending)
             if parts:
                 return f"container {cs.get('name')}: {'; '.join(parts)}"
     return None

@@ -67,6 +67,8 @@ def gateway_deployment(plan: Plan, settings: OperatorSettings) -> Manifest:
         "resources": resources_dict(gw.resources, settings.gateway_requests, settings.limit_ratios),
         "volumeMounts": [pipeline_mount, *scratch_mounts],
         "securityContext": container_security_context(),
+        # A crash's last log lines become its termination message, which status quotes (the exception).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **http_probes("http", startup_seconds=GATEWAY_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {

@@ -95,6 +95,8 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
         "resources": stage_resources(own, stage.accelerator, settings),
         "volumeMounts": [pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
+        # A crash's last log lines become its termination message, which status quotes (the exception).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **http_probes("http", startup_seconds=STAGE_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {

@@ -10,12 +10,13 @@ Job (the old one is pruned) and the stages roll (their template carries the same
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.builders.common import (
     Manifest,
+    Plan,
     cache_claim_name,
     container_security_context,
     content_hash,
@@ -27,8 +28,9 @@ from omnimodel_operator.builders.common import (
     resources_dict,
     scratch_volumes,
 )
-from omnimodel_operator.resolve import Plan, StagePlan
+from omnimodel_operator.resolve import StagePlan
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_runtime.pipeline import Pipeline
 
 COMPONENT_FETCH: Final = "fetch"
 PROGRESS_PORT: Final = 8002
@@ -41,12 +43,19 @@ EXIT_PERMANENT: Final = 3
 FETCH_BACKOFF_LIMIT: Final = 3
 
 
+class FetchPlan(Plan, Protocol):
+    """A plan whose weights can be fetched: both runtimes' plans (vLLM-Omni's has one ``model`` stage)."""
+
+    @property
+    def pipeline(self) -> Pipeline: ...
+
+
 def fetches(plan: Plan) -> bool:
     """Whether this OmniModel's weights are fetched once: an hf:// source and a cache to fetch into."""
     return plan.spec.model.source.startswith("hf://") and plan.spec.model.cache is not None
 
 
-def weights_key(plan: Plan) -> str:
+def weights_key(plan: FetchPlan) -> str:
     """What the fetch fetches: the source, revision, endpoint and every stage's file set. A change to
     any of them is a new Job (and a roll of the stages, whose pod templates carry it)."""
     model = plan.spec.model
@@ -56,7 +65,7 @@ def weights_key(plan: Plan) -> str:
     )
 
 
-def job_name(plan: Plan) -> str:
+def job_name(plan: FetchPlan) -> str:
     return naming.dns_label(plan.name, "fetch", weights_key(plan)[:10])
 
 
@@ -78,8 +87,9 @@ def weights_claim(plan: Plan) -> Manifest | None:
     }
 
 
-def fetch_job(plan: Plan, settings: OperatorSettings) -> Manifest | None:
-    """The one Job that downloads what every stage needs into the cache claim."""
+def fetch_job(plan: FetchPlan, settings: OperatorSettings, image: str | None = None) -> Manifest | None:
+    """The one Job that downloads what every stage needs into the cache claim, run from ``image`` (default:
+    the CR's runtime image, else the CPU runtime image; it needs the ``omnimodel`` command)."""
     if not fetches(plan):
         return None
     model = plan.spec.model
@@ -99,7 +109,7 @@ def fetch_job(plan: Plan, settings: OperatorSettings) -> Manifest | None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     container: dict[str, Any] = {
         "name": "fetch",
-        "image": plan.spec.runtime.image or settings.cpu_runtime_image,
+        "image": image or plan.spec.runtime.image or settings.cpu_runtime_image,
         "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
         "command": ["omnimodel", "fetch"],
         "args": [
@@ -156,17 +166,25 @@ def stage_weights(
     files there."""
     volume, mount = model_cache_volume(plan, read_only=True)
     _, pipeline_mount = pipeline_volume(plan)
-    init = {
+    return volume, mount, wait_weights_container(sp.image, sp.stage.name, resources, [pipeline_mount, mount])
+
+
+def wait_weights_container(
+    image: str, stage: str, resources: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The init container that waits until the fetch has put ``stage``'s files into the cache; ``mounts``
+    give it the pipeline file (at ``PIPELINE_PATH``) and the cache."""
+    return {
         "name": "wait-weights",
-        "image": sp.image,
+        "image": image,
         "command": ["omnimodel", "wait-weights"],
-        "args": ["--pipeline", C.PIPELINE_PATH, "--cache-dir", HUB_CACHE, "--stage", sp.stage.name],
+        "args": ["--pipeline", C.PIPELINE_PATH, "--cache-dir", HUB_CACHE, "--stage", stage],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": resources,
-        "volumeMounts": [pipeline_mount, mount],
+        "volumeMounts": mounts,
         "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return volume, mount, init
 
 
 # The Hub stays unreachable from stage pods of a fetched model: every file they read is in the cache.

@@ -335,6 +335,21 @@ _BACKOFF = (
     "back-off 1m20s restarting failed container=stage "
     "pod=m-thinker-7c9d8b6f5-x2x7q_ml(0f9c4c1e-7d1e-4a53-9c55-3b8e0f0c2d11)"
 )
+_RAISED = "FileNotFoundError: no weights for stage thinker under /models/hf/hub (model.cache is empty)"
+_TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/opt/omnimodel/lib/python3.11/site-packages/omnimodel_runtime/cli.py", line 412, in main\n'
+    "    return command(args)\n"
+    f"{_RAISED}\n"
+)
+_SETTING = (
+    "2026-12-07 17:09:39,733 INFO omnimodel_runtime.cli: threads: 2 (affinity 32, cgroup quota 2)\n"
+    "omnimodel stage: 1 validation error for RuntimeSettings\n"
+    "max_batch_size\n"
+    "  Input should be a valid integer, unable to parse string as an integer [type=int_parsing, "
+    "input_value='zero', input_type=str]\n"
+    "    For further information visit https://errors.pydantic.dev/2.14/v/int_parsing\n"
+)
 CONTAINER_TROUBLE = {
     "ErrImagePull": (
         {
@@ -370,6 +385,30 @@ CONTAINER_TROUBLE = {
             "lastState": {"terminated": _TERMINATED_OOM},
         },
         f"container stage: CrashLoopBackOff: {_BACKOFF}; last terminated OOMKilled (exit code 137)",
+    ),
+    "crashed, its log's last line": (
+        {
+            "restartCount": 3,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": _BACKOFF}},
+            "lastState": {
+                "terminated": {
+                    **_TERMINATED_OOM,
+                    "exitCode": 1,
+                    "reason": "Error",
+                    # terminationMessagePolicy FallbackToLogsOnError: the log's tail.
+                    "message": _TRACEBACK,
+                }
+            },
+        },
+        f"container stage: CrashLoopBackOff: {_BACKOFF}; last terminated Error (exit code 1): {_RAISED}",
+    ),
+    # What `omnimodel stage` prints for a setting it cannot read: the error's first line and its details.
+    "exited on a bad setting": (
+        {"state": {"terminated": {**_TERMINATED_OOM, "exitCode": 2, "reason": "Error", "message": _SETTING}}},
+        "container stage: last terminated Error (exit code 2): omnimodel stage: 1 validation error for "
+        "RuntimeSettings max_batch_size Input should be a valid integer, unable to parse string as an integer "
+        "[type=int_parsing, input_value='zero', input_type=str] For further information visit "
+        "https://errors.pydantic.dev/2.14/v/int_parsing",
     ),
     "OOMKilled, restarted": (
         {
