@@ -26,7 +26,8 @@ from transformers import (
     Qwen2_5OmniToken2WavModel,
 )
 
-from omnimodel_runtime.engines.omni.code2wav import TOKEN2WAV_DEFAULTS, ChunkPlan, _MelRunner
+from omnimodel_runtime.engines.omni.code2wav_dit import TOKEN2WAV_DEFAULTS, ChunkPlan
+from omnimodel_runtime.engines.omni.code2wav_graphs import _MelRunner
 from omnimodel_runtime.engines.omni.common import Speakers, load_config, load_part, load_prefixed
 from omnimodel_runtime.engines.slots import SlotDecoder
 

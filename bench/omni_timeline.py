@@ -40,7 +40,7 @@ CHILD = "--serve-child"
 # ----------------------------------------------------------------------------- in the serve process
 def _instrument(path: str) -> None:
     """Wrap the engines' emit, advance, DiT pass and chunk finish so each leaves an event line."""
-    from omnimodel_runtime.engines.omni import code2wav, engine, talker, thinker
+    from omnimodel_runtime.engines.omni import code2wav, code2wav_graphs, engine, talker, thinker
     from omnimodel_runtime.protocol.stage import TensorFrame
 
     out = open(path, "w", buffering=1)  # noqa: SIM115 - one line per event, for the life of the process
@@ -140,7 +140,7 @@ def _instrument(path: str) -> None:
 
         talker.OmniTalkerEngine._decode = profiled_decode  # type: ignore[method-assign]
 
-    run = code2wav._MelRunner.run
+    run = code2wav_graphs._MelRunner.run
 
     def timed_run(self: Any, items: list[Any]) -> Any:
         t0 = time.monotonic()
@@ -149,7 +149,7 @@ def _instrument(path: str) -> None:
             rids=[job.request.request_id for job, _ in items])  # fmt: skip
         return mels
 
-    code2wav._MelRunner.run = timed_run  # type: ignore[method-assign]
+    code2wav_graphs._MelRunner.run = timed_run  # type: ignore[method-assign]
     finish = code2wav._Chunked.finish
 
     def timed_finish(self: Any, window: Any, mel: Any) -> None:

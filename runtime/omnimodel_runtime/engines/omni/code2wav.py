@@ -33,17 +33,15 @@ noise from the position-consistent sequence (:class:`PagedNoise`): the whole fil
 differ only by the chunking error. Their ``speed`` time-stretches the DiT's mel before BigVGAN (linear
 interpolation, pitch unchanged; the :class:`~omnimodel_runtime.engines.audio.TimeStretch` the ``tts`` preset uses
 too, exact in chunks).
+
+This module is the engine and a request's state on either path; the DiT's sampling, noise and chunk geometry
+are :mod:`~omnimodel_runtime.engines.omni.code2wav_dit`, the batched path's DiT and BigVGAN runners (CUDA
+graphs, compiled blocks) :mod:`~omnimodel_runtime.engines.omni.code2wav_graphs`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,6 +50,15 @@ from transformers import Qwen2_5OmniToken2WavModel
 
 from omnimodel_runtime.engines.audio import TimeStretch, checked_speed
 from omnimodel_runtime.engines.base import flag
+from omnimodel_runtime.engines.omni.code2wav_dit import (
+    CHUNK_DEFAULTS,
+    TOKEN2WAV_DEFAULTS,
+    ChunkPlan,
+    PagedNoise,
+    _Window,
+    sample_mel,
+)
+from omnimodel_runtime.engines.omni.code2wav_graphs import MIN_DB, RECOMPILE_LIMIT, _MelRunner, _Vocoder
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_META,
     CODES_KIND,
@@ -67,7 +74,6 @@ from omnimodel_runtime.engines.omni.common import (
     voice_param,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
-from omnimodel_runtime.engines.slots import bucket, buckets, capture
 from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
@@ -79,198 +85,25 @@ from omnimodel_runtime.protocol.stage import (
     Usage,
 )
 
-log = logging.getLogger(__name__)
+# The DiT's sampling and chunk geometry (code2wav_dit) and the graph runners (code2wav_graphs) have modules
+# of their own; their public names stay importable from here.
+__all__ = [
+    "CHUNK_DEFAULTS",
+    "GATHER_CODES",
+    "GATHER_S",
+    "MIN_DB",
+    "RECOMPILE_LIMIT",
+    "TOKEN2WAV_DEFAULTS",
+    "ChunkPlan",
+    "OmniCode2WavEngine",
+    "PagedNoise",
+    "sample_mel",
+]
 
-# The whole model's token2wav defaults.
-TOKEN2WAV_DEFAULTS: dict[str, Any] = {"num_steps": 10, "guidance_scale": 0.5, "sway_coefficient": -1.0}
 # First windows wait this long at most for another stream's first window that lacks at most GATHER_CODES
 # codes (see OmniCode2WavEngine._gathering).
 GATHER_S = 0.015
 GATHER_CODES = 2
-# BigVGAN's floor for its input, in dB (``process_mel_spectrogram``).
-MIN_DB = -115
-# Graphs dynamo may keep for the compiled DiT block (window lengths x rows at worst, before it goes generic).
-RECOMPILE_LIMIT = 64
-# Chunking, in DiT attention blocks (24 mel frames = 12 codes = 0.24 s each, at the released geometry):
-# chunks of 2 blocks (vLLM-Omni's geometry; the first may be set apart with ``first_chunk_blocks``: 1 block
-# leaves nothing to vocode until the second chunk, whose audio needs the vocoder's right context), each
-# with 2 blocks of left context and 1 block of look-ahead; the vocoder gets 24
-# mel frames of context on each side, which covers BigVGAN's receptive field at the released kernel and
-# dilation sizes (16 already makes chunked vocoding equal one pass to ~1e-6).
-#
-# A stream that has fallen behind (more codes waiting than one chunk) takes a larger chunk, up to
-# ``max_chunk_blocks``, doubling from ``chunk_blocks``: a DiT pass costs about the same whatever its
-# window's length (36 evaluations of ~1000 small kernels each, even as one CUDA graph), so larger chunks
-# cut the passes a stream needs. Every chunk keeps the same left context and look-ahead, so the chunked
-# audio stays within the tolerance of one pass that docs/pipelines/qwen2.5-omni.md states (fewer seams).
-CHUNK_DEFAULTS: dict[str, int] = {
-    "first_chunk_blocks": 2,
-    "chunk_blocks": 2,
-    "max_chunk_blocks": 8,
-    "left_blocks": 2,
-    "lookahead_blocks": 1,
-    "vocoder_context": 24,
-}
-
-
-def sample_mel(
-    dit: Any,
-    cond: torch.Tensor,
-    ref_mel: torch.Tensor,
-    codes: torch.Tensor,
-    noise: torch.Tensor,
-    *,
-    num_steps: int = 10,
-    guidance_scale: float = 0.5,
-    sway_coefficient: float | None = -1.0,
-    check: Any = None,
-) -> torch.Tensor:
-    """``Qwen2_5OmniToken2WavDiTModel.sample()`` starting from ``noise`` (1, 2·codes, mel_dim) instead of
-    drawing it from the global generator; returns mel (1, mel_dim, frames). ``check`` runs before every
-    DiT evaluation (cancellation)."""
-    frames = noise.shape[1]
-    if frames > dit.config.max_position_embeddings:
-        raise StageError(
-            f"{frames} mel frames exceed the DiT's limit of {dit.config.max_position_embeddings}", status=400
-        )
-    cond = cond.unsqueeze(1).repeat(1, frames, 1)
-
-    def ode_function(time_step: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if check is not None:
-            check()
-        if guidance_scale < 1e-5:
-            out: torch.Tensor = dit(
-                hidden_states=hidden_states,
-                speaker_embedding=cond,
-                condition_vector=ref_mel,
-                quantized_code=codes,
-                time_step=time_step,
-                drop_audio_conditioning=False,
-                drop_code=False,
-                apply_cfg=False,
-            )
-            return out
-        output = dit(
-            hidden_states=hidden_states,
-            quantized_code=codes,
-            speaker_embedding=cond,
-            condition_vector=ref_mel,
-            time_step=time_step,
-            apply_cfg=True,
-        )
-        guided, null = torch.chunk(output, 2, dim=0)
-        return guided + (guided - null) * guidance_scale
-
-    times = torch.linspace(0, 1, num_steps, device=codes.device, dtype=cond.dtype)
-    if sway_coefficient is not None:
-        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    mel: torch.Tensor = _rk4(ode_function, noise, times).permute(0, 2, 1)
-    return mel
-
-
-def _rk4(function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], y0: torch.Tensor, times: torch.Tensor) -> Any:
-    """``RungeKutta4ODESolver(function, y0).integrate(times)[-1]``, the same operations in the same order.
-    The solver also interpolates the solution at every time point, comparing device tensors on the host to
-    find them; for increasing time points (the sway schedule is) every point is an interval's end, so its
-    last solution is the last step's value, and nothing here waits for the device."""
-    one_third, two_thirds = 1 / 3, 2 / 3
-    value = y0
-    for start, end in itertools.pairwise(times):
-        step = end - start
-        k1 = function(start, value)
-        k2 = function(start + step * one_third, value + step * k1 * one_third)
-        k3 = function(start + step * two_thirds, value + step * (k2 - k1 * one_third))
-        k4 = function(end, value + step * (k1 - k2 + k3))
-        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
-    return value
-
-
-class PagedNoise:
-    """A position-consistent noise sequence drawn in pages of one DiT block: frame i has the same noise
-    whichever window asks for it, so neighbouring chunks agree where their windows overlap."""
-
-    def __init__(self, seed: int, page: int, mel_dim: int, device: str) -> None:
-        self._gen = torch.Generator(device=device)
-        self._gen.manual_seed(seed)
-        self._page, self._dim, self._device = page, mel_dim, device
-        self._pages: list[torch.Tensor] = []
-
-    def frames(self, start: int, end: int) -> torch.Tensor:
-        while len(self._pages) * self._page < end:
-            self._pages.append(
-                torch.randn([1, self._page, self._dim], generator=self._gen, device=self._device, dtype=torch.float32)
-            )
-        return torch.cat(self._pages, dim=1)[:, start:end]
-
-
-@dataclass
-class ChunkPlan:
-    """Chunk geometry in codes (one DiT block = ``block`` codes) and vocoder context in mel frames."""
-
-    block: int
-    chunk: int  # a chunk's usual size
-    left: int
-    lookahead: int
-    vocoder_context: int
-    first: int = 0  # the first chunk's size (default: ``chunk``)
-    sizes: tuple[int, ...] = ()  # chunk sizes a stream that is behind may take, ascending (default: ``chunk``)
-    grow: bool = False  # a stream far enough ahead of real time waits for larger chunks (see least)
-
-    @classmethod
-    def from_args(cls, dit_config: Any, args: dict[str, Any]) -> ChunkPlan:
-        values = {**CHUNK_DEFAULTS, **{k: int(v) for k, v in args.items() if k in CHUNK_DEFAULTS}}
-        block = max(1, int(dit_config.block_size) // int(dit_config.repeats))
-        chunk = block * max(1, values["chunk_blocks"])
-        sizes = [chunk]
-        while sizes[-1] * 2 <= block * values["max_chunk_blocks"]:
-            sizes.append(sizes[-1] * 2)
-        return cls(
-            block=block,
-            chunk=chunk,
-            left=block * values["left_blocks"],
-            lookahead=block * values["lookahead_blocks"],
-            vocoder_context=values["vocoder_context"],
-            first=block * max(1, values["first_chunk_blocks"]),
-            sizes=tuple(sizes),
-            grow=flag(args, "grow_chunks", default=True),
-        )
-
-    def least(self, chunks: int, lead: float, code_seconds: float) -> int:
-        """The smallest chunk (codes) a stream that has run ``chunks`` chunks and whose audio sent is ``lead``
-        seconds ahead of real time should run next (it waits for more codes until then).
-
-        Every DiT pass costs about the same whatever its chunk, and a stream's passes share the GPU with the
-        talker's steps, so fewer, larger chunks finish the audio sooner; but waiting for codes must not let
-        the listener run out of audio. With ``grow``, the n-th chunk after the first waits for ``sizes[n-1]``
-        (doubling up to the largest) only while the audio sent is ahead of real time by at least that
-        chunk's duration (``code_seconds`` a code): gathering it takes less than that whenever the talker is
-        faster than real time. Otherwise it runs what has arrived (a chunk of the smallest size, or larger
-        when that much is waiting)."""
-        sizes = self.sizes or (self.chunk,)
-        want = sizes[min(max(chunks - 1, 0), len(sizes) - 1)]
-        return want if self.grow and lead >= want * code_seconds else sizes[0]
-
-    def vocoder_frames(self, repeats: int) -> set[int]:
-        """Mel lengths (frames) BigVGAN gets for a stream's chunks away from its end, at ``repeats`` mel
-        frames a code (time-stretched speech aside): the first chunk's mel (when it leaves more than the
-        right context), the second's (behind the first's unvoiced tail), then the steady ones (context on
-        both sides of the chunk)."""
-        first, ctx = (self.first or self.chunk) * repeats, self.vocoder_context
-        out = {first} if first > ctx else set()
-        for size in self.sizes or (self.chunk,):
-            out.add(size * repeats + min(first, 2 * ctx))
-            out.add(size * repeats + 2 * ctx)
-        return out
-
-    def windows(self) -> set[int]:
-        """Window lengths (codes) of a stream's chunks away from its end: the first, the second (whose left
-        context is the first chunk only), then the steady ones."""
-        first, sizes = self.first or self.chunk, self.sizes or (self.chunk,)
-        out = {first + self.lookahead}
-        for size in sizes:
-            out.add(min(first, self.left) + size + self.lookahead)
-            out.add(self.left + size + self.lookahead)
-        return out
 
 
 class OmniCode2WavEngine(OmniEngine):
@@ -539,17 +372,6 @@ class _Whole:
         return isinstance(frame, FinalFrame)
 
 
-@dataclass
-class _Window:
-    """One DiT pass of a chunked stream: codes ``[lo, hi)`` around the chunk ``[start, end)``."""
-
-    codes: torch.Tensor  # (hi - lo,)
-    noise: torch.Tensor  # (frames, mel_dim)
-    lo: int
-    start: int
-    end: int
-
-
 class _Chunked:
     """One streamed request's chunking: codes so far, the mel not vocoded yet, what has been sent."""
 
@@ -644,185 +466,3 @@ class _Chunked:
             # Only the vocoder's left context is needed again.
             drop = max(0, self.voiced - plan.vocoder_context - self.mel_start)
             self.mel, self.mel_start = self.mel[:, :, drop:], self.mel_start + drop
-
-
-class _CompiledBlocks:
-    """The DiT's transformer blocks, each with a compiled forward (``torch.compile``) used only inside :meth:`on`
-    (the chunked windows): elsewhere (the whole path) a block runs its own eager forward. The blocks share
-    their code, so dynamo compiles it once for all of them (then once shape-generic, when a window's
-    length or rows change), not once per block."""
-
-    def __init__(self, dit: Any) -> None:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._active = threading.local()
-        for block in dit.transformer_blocks:
-            block.forward = self._dispatch(block.forward, torch.compile(block.forward, fullgraph=True, dynamic=None))
-
-    def _dispatch(self, eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return (compiled if getattr(self._active, "on", False) else eager)(*args, **kwargs)
-
-        return forward
-
-    @contextlib.contextmanager
-    def on(self) -> Iterator[None]:
-        self._active.on = True
-        try:
-            yield
-        finally:
-            self._active.on = False
-
-
-class _Vocoder:
-    """BigVGAN on a chunk's mel, leaving the waveform on the device: the model's own forward without its
-    last step (a copy to the host, which a CUDA graph cannot hold and the caller makes anyway). With
-    ``lengths`` (CUDA) those mel lengths replay as captured graphs: eagerly the vocoder is ~1000 small
-    kernels a chunk, launched one by one (32 ms on an H200 for the first chunk)."""
-
-    def __init__(self, model: Any, device: str, *, lengths: Iterable[int] = ()) -> None:
-        self.model = model
-        self.lengths = set(lengths)
-        self._graphs: dict[int, tuple[Any, Any, torch.Tensor]] = {}
-        self._pool: Any = torch.cuda.graph_pool_handle() if self.lengths else None
-        # amplitude_to_db's floor, the same float32 value the model computes per call; made here because a
-        # capture cannot copy a host scalar to the device.
-        self._floor = torch.exp(torch.tensor(MIN_DB / 20.0 * np.log(10), device=device, dtype=torch.float32))
-
-    def __call__(self, mel: torch.Tensor) -> torch.Tensor:
-        """The waveform (samples,) of mel (1, mel_dim, frames), as ``model(mel)`` computes it."""
-        frames = int(mel.shape[2])
-        if frames not in self.lengths:
-            return self.forward(mel)
-        graph, out, static = self._graph(frames, mel)
-        static.copy_(mel)
-        graph.replay()
-        waveform: torch.Tensor = out.clone()  # the next replay rewrites out
-        return waveform
-
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        # process_mel_spectrogram, with the floor as a tensor (same op, same value).
-        db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self._floor)) - 20
-        hidden = m.conv_pre(m.normalize_spectrogram(db, 1, MIN_DB))
-        for layer in range(m.num_upsample_layers):
-            hidden = m.ups[layer][0](hidden)
-            blocks = range(layer * m.num_residual_blocks, (layer + 1) * m.num_residual_blocks)
-            hidden = sum(m.resblocks[i](hidden) for i in blocks) / m.num_residual_blocks
-        out: torch.Tensor = torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)
-        return out.reshape(-1)
-
-    def _graph(self, frames: int, like: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
-        found = self._graphs.get(frames)
-        if found is None:
-            static = torch.zeros((1, int(like.shape[1]), frames), device=like.device, dtype=like.dtype)
-            graph, out = capture(lambda: self.forward(static), self._pool)
-            found = self._graphs[frames] = (graph, out, static)
-        return found
-
-    def capture_all(self, mel_dim: int, device: str) -> None:
-        """Capture every length now, so no request waits for a capture; on failure, run eagerly."""
-        if not self.lengths:
-            return
-        like = torch.zeros((1, mel_dim, 1), device=device)
-        try:
-            for frames in sorted(self.lengths):
-                self._graph(frames, like)
-        except Exception:
-            log.exception("CUDA graph capture of the vocoder failed; running it eagerly")
-            self._graphs.clear()
-            self.lengths = set()
-            return
-        log.info("Captured %d vocoder graphs (mel frames %s)", len(self._graphs), sorted(self.lengths))
-
-
-class _MelRunner:
-    """Batched DiT windows: one :func:`sample_mel` over several requests' windows of one length; on CUDA
-    the usual window shapes run as captured graphs (rows rounded up to a power of two, padded with copies
-    of the first row)."""
-
-    def __init__(self, engine: OmniCode2WavEngine, *, max_rows: int, graphs: bool) -> None:
-        self.engine = engine
-        self.max_rows = max_rows
-        self.rows = buckets(max_rows)
-        self.graphs = graphs
-        self.shapes: set[int] = set()  # window lengths (codes) that run as graphs
-        self._graphs: dict[tuple[int, int, int], tuple[Any, Any, dict[str, torch.Tensor]]] = {}
-        self._pool: Any = torch.cuda.graph_pool_handle() if graphs else None
-        # Chunked windows only: the whole path stays the model's own eager DiT (its reference waveform).
-        self._compiled = _CompiledBlocks(engine.model.code2wav_dit_model) if engine.compiled else None
-
-    def run(self, items: list[tuple[OmniJob, _Window]]) -> list[torch.Tensor]:
-        """Each window's mel (mel_dim, frames), in order."""
-        inputs = {
-            "cond": torch.cat([job.data["cond"] for job, _ in items]),
-            "ref": torch.cat([job.data["ref_mel"] for job, _ in items]),
-            "codes": torch.stack([w.codes for _, w in items]),
-            "noise": torch.stack([w.noise for _, w in items]),
-        }
-        length = int(inputs["codes"].shape[1])
-        if self.graphs and length in self.shapes:
-            rows = bucket(len(items), self.rows)
-            graph, out, static = self._graph(rows, length, int(inputs["ref"].shape[1]))
-            for name, tensor in inputs.items():
-                static[name][: len(items)].copy_(tensor)
-                static[name][len(items) :].copy_(tensor[:1].expand(rows - len(items), *tensor.shape[1:]))
-            graph.replay()
-            mel = out[: len(items)].clone()
-        else:
-            mel = self._sample(inputs)
-        return list(mel)
-
-    def _sample(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        engine = self.engine
-        dit = engine.model.code2wav_dit_model
-        with self._compiled.on() if self._compiled is not None else contextlib.nullcontext():
-            out: torch.Tensor = sample_mel(
-                dit, inputs["cond"], inputs["ref"], inputs["codes"], inputs["noise"], **engine._options
-            )
-        return out
-
-    def _graph(self, rows: int, length: int, ref: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-        key = (rows, length, ref)
-        found = self._graphs.get(key)
-        if found is None:
-            engine = self.engine
-            dit = engine.model.code2wav_dit_model
-            device = engine.device
-            cond_dim = int(dit.config.enc_emb_dim)
-            mel_dim = int(dit.mel_dim)
-            static = {
-                "cond": torch.zeros((rows, cond_dim), device=device),
-                "ref": torch.zeros((rows, ref, mel_dim), device=device),
-                "codes": torch.zeros((rows, length), dtype=torch.long, device=device),
-                "noise": torch.randn((rows, length * int(dit.repeats), mel_dim), device=device),
-            }
-            graph, out = capture(lambda: self._sample(static), self._pool)
-            found = (graph, out, static)
-            self._graphs[key] = found
-        return found
-
-    def capture_all(self, ref: int) -> None:
-        """Capture the steady window shapes for every row count (speakers' reference mel of ``ref`` frames)."""
-        if not self.graphs:
-            return
-        try:
-            for length in sorted(self.shapes):
-                for rows in self.rows:
-                    self._graph(rows, length, ref)
-        except Exception:
-            self._graphs.clear()
-            if self._compiled is not None:  # compilation is the likelier culprit: capture without it
-                log.exception("The compiled DiT failed; capturing it uncompiled")
-                self._compiled = None
-                self.capture_all(ref)
-                return
-            log.exception("CUDA graph capture of the DiT failed; running it eagerly")  # still serves
-            self.graphs = False
-            return
-        log.info(
-            "Captured %d DiT graphs (windows %s codes, rows %s, %s)",
-            len(self._graphs),
-            sorted(self.shapes),
-            self.rows,
-            "compiled blocks" if self._compiled is not None else "eager kernels",
-        )
