@@ -20,6 +20,11 @@ is the same call on the same inputs (one decode step per token rather than one b
 round differently). The talker and code2wav cannot tell the difference. A speech request's prompt frames
 the reply as the answer to "repeat this text" under the released model's default system prompt (see
 :meth:`OmniThinkerEngine.speech_prompt`); a forced reply sends no text to anyone.
+
+This module is the engine: loading, requests one at a time through ``generate()``, and batched serving over
+decode slots. The speech and media prompts are :mod:`~omnimodel_runtime.engines.omni.thinker_prompts`; the
+criterion, logits processor and hook that watch ``generate()`` are
+:mod:`~omnimodel_runtime.engines.omni.thinker_stream`.
 """
 
 from __future__ import annotations
@@ -29,17 +34,15 @@ import logging
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 from transformers import (
     AutoTokenizer,
-    LogitsProcessor,
     LogitsProcessorList,
     Qwen2_5OmniThinkerForConditionalGeneration,
-    StoppingCriteria,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopPLogitsWarper,
@@ -47,12 +50,8 @@ from transformers import (
 
 from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
-    AUDIO_LENGTHS,
-    IMAGE_GRID,
-    PROMPT_KIND,
     REPLY_KIND,
     USE_AUDIO_IN_VIDEO,
-    VIDEO_GRID,
     VIDEO_SECONDS,
     RngTurn,
     Speakers,
@@ -65,13 +64,21 @@ from omnimodel_runtime.engines.omni.common import (
     voice_param,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
-from omnimodel_runtime.engines.omni.inputs import decode, load_processor, processor_inputs
+from omnimodel_runtime.engines.omni.inputs import load_processor
+from omnimodel_runtime.engines.omni.thinker_prompts import (
+    _TEXT_MARK,
+    SPEECH_INSTRUCTION,
+    SPEECH_SYSTEM_PROMPT,
+    _reply_ids,
+    media_prompt,
+    speech_frame,
+    wants_audio,
+)
+from omnimodel_runtime.engines.omni.thinker_stream import _Force, _RowHook, _Stream, talker_media
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, supported
 from omnimodel_runtime.engines.text.common import (
     GenerationDefaults,
-    IncrementalDetokenizer,
     ResolvedSampling,
-    check_token_ids,
     render_prompt,
     resolve_sampling,
 )
@@ -91,36 +98,23 @@ from omnimodel_runtime.protocol.stage import (
     Usage,
 )
 
+# The prompts and generate()'s watchers have modules of their own; every name that lived here stays
+# importable from here (other engine families build on them).
+__all__ = [
+    "SPEECH_INSTRUCTION",
+    "SPEECH_SYSTEM_PROMPT",
+    "_TEXT_MARK",
+    "OmniThinkerEngine",
+    "_Force",
+    "_RowHook",
+    "_Stream",
+    "_ThinkerRow",
+    "_reply_ids",
+    "talker_media",
+    "wants_audio",
+]
+
 log = logging.getLogger(__name__)
-
-# The released model's default system prompt. Its model card: audio output works as expected only with
-# this system prompt, so a speech request is framed by it too.
-SPEECH_SYSTEM_PROMPT: Final = (
-    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
-    "auditory and visual inputs, as well as generating text and speech."
-)
-# The user turn before the input text: with it, the forced reply is the answer the model itself would most
-# likely give, so the forced rows look like the rows of its own generation (what the talker learnt from).
-SPEECH_INSTRUCTION: Final = "Repeat the following text exactly as it is written, and say nothing else:\n"
-# Stands in for the input text while the chat template is rendered (it never reaches the tokenizer).
-_TEXT_MARK: Final = "\x00omnimodel-speech-input\x00"
-
-
-def wants_audio(request: StageRequest) -> bool:
-    """Whether this request continues into the talker (the gateway says so in ``params``)."""
-    return request.params.speak or Modality.AUDIO in request.params.modalities
-
-
-def _reply_ids(request: StageRequest, vocab: int, eos: frozenset[int]) -> list[int] | None:
-    """The reply to teacher-force when the request gives one (speech requests get theirs from their text)."""
-    given = request.params.reply_ids
-    if given is None:
-        return None
-    check_token_ids(given, vocab, param="reply_ids")
-    if eos.intersection(given):
-        # generate() would stop at it: the reply would end early and silently.
-        raise StageError("reply_ids must not contain end-of-sequence tokens", status=400)
-    return list(given)
 
 
 class OmniThinkerEngine(OmniEngine):
@@ -185,10 +179,14 @@ class OmniThinkerEngine(OmniEngine):
         )
         self._max_model_len = int(self.args.get("max_model_len") or text_config.max_position_embeddings)
         self._vocab = int(text_config.vocab_size)
-        self._speech_frame = self._render_speech_frame(
+        self._speech_frame = speech_frame(
+            self._tokenizer,
             str(self.args.get("speech_system_prompt", SPEECH_SYSTEM_PROMPT)),
             str(self.args.get("speech_instruction", SPEECH_INSTRUCTION)),
         )
+        if self._speech_frame is None:
+            # Chat still works; only speech, which needs the text at a known place, does not.
+            log.warning("The chat template does not render a user message verbatim: speech requests are refused")
         if self.batched:
             self._load_slots()
 
@@ -210,17 +208,6 @@ class OmniThinkerEngine(OmniEngine):
         )
         decoder.capture_all()
         self._slots = SlotTable(decoder)
-
-    def _render_speech_frame(self, system: str, instruction: str) -> tuple[list[int], list[int]] | None:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": instruction + _TEXT_MARK}]
-        rendered = str(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        parts = rendered.split(_TEXT_MARK)
-        if len(parts) != 2:
-            # Chat still works; only speech, which needs the text at a known place, does not.
-            log.warning("The chat template does not render a user message verbatim: speech requests are refused")
-            return None
-        head, tail = (self._tokenizer.encode(p, add_special_tokens=False) for p in parts)
-        return head, tail
 
     def speech_prompt(self, text: str) -> tuple[list[int], list[int]]:
         """The prompt and the forced reply of a speech request, as token ids.
@@ -259,34 +246,10 @@ class OmniThinkerEngine(OmniEngine):
         if inp.request.media:
             # Decoding, resampling, feature extraction and frame resizing take a while (the released
             # feature extractor pads every clip to 300 s): on a thread, not on the event loop.
-            job.data["media"] = await asyncio.to_thread(self._media_prompt, inp)
-        self.prepare(inp, job)
-
-    def _media_prompt(self, inp: StageInput) -> dict[str, Any]:
-        """The prompt of a request with audio, images or video: its token ids (each placeholder expanded
-        to one token per encoder output) and the encoders' inputs, all from the checkpoint's processor."""
-        request = inp.request
-        if self._processor is None:
-            raise StageError(
-                "this checkpoint ships no processor config (preprocessor_config.json): audio, image and "
-                "video input are not available",
-                status=400,
-                param=request.media[0].param,
+            job.data["media"] = await asyncio.to_thread(
+                media_prompt, self._processor, self._processor_lock, inp, self._vocab
             )
-        rate = int(self._processor.feature_extractor.sampling_rate)
-        decoded = decode(request, inp.tensors, rate, self._processor.video_processor)
-        with self._processor_lock:
-            try:
-                text = self._processor.tokenizer.apply_chat_template(
-                    [dict(m) for m in request.messages or ()], add_generation_prompt=True, tokenize=False
-                )
-            except Exception as err:  # jinja errors and template-raised exceptions alike
-                raise StageError(f"cannot apply the chat template: {err}", status=400, param="messages") from err
-            inputs = processor_inputs(self._processor, str(text), decoded)
-        prompt_ids: list[int] = inputs.pop("input_ids")[0].tolist()
-        inputs.pop("attention_mask", None)
-        check_token_ids(prompt_ids, self._vocab)
-        return {"prompt_ids": prompt_ids, "inputs": inputs, USE_AUDIO_IN_VIDEO: decoded.use_audio_in_video}
+        self.prepare(inp, job)
 
     def prepare(self, inp: StageInput, job: OmniJob) -> None:
         request = inp.request
@@ -581,80 +544,6 @@ class OmniThinkerEngine(OmniEngine):
         return torch.isin(tensor, torch.tensor(self._placeholders, dtype=torch.long, device=self.device))
 
 
-def talker_media(media: dict[str, Any] | None) -> dict[str, np.ndarray]:
-    """What the talker's M-RoPE needs of a request's media (the whole model passes it the same): each
-    audio's feature length, each image's and video's patch grid, each video's seconds per temporal patch."""
-    if media is None:
-        return {}
-    inputs: dict[str, torch.Tensor] = media["inputs"]
-    out: dict[str, np.ndarray] = {}
-    if "feature_attention_mask" in inputs:
-        out[AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=-1).to(torch.int64).numpy()
-    for grid in (IMAGE_GRID, VIDEO_GRID):
-        if grid in inputs:
-            out[grid] = inputs[grid].to(torch.int64).numpy()
-    if VIDEO_SECONDS in inputs:
-        out[VIDEO_SECONDS] = inputs[VIDEO_SECONDS].to(torch.float32).numpy()
-    return out
-
-
-class _Stream(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
-    """Called by ``generate()`` right after each token is drawn: streams it and decides whether to stop."""
-
-    def __init__(
-        self, engine: OmniThinkerEngine, job: OmniJob, sampling: ResolvedSampling, turn: RngTurn | None
-    ) -> None:
-        self.engine = engine
-        self.job = job
-        self.sampling = sampling
-        self.turn = turn
-        self.detok = IncrementalDetokenizer(engine._detok_tokenizer, sampling.stop)
-        self.tokens: list[int] = []
-        self.reason: str | None = None
-        self.limit = min(sampling.max_tokens, engine._max_model_len - len(job.data["prompt_ids"]))
-        self.reply: list[int] | None = job.data.get("reply")
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
-        if self.turn is not None:
-            self.turn.end()
-        self.engine.context.metrics.observe_batch(1)
-        stop = self.take(int(input_ids[0, -1]))
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
-
-    def take(self, token: int) -> bool:
-        """Stream ``token`` (the one just picked); whether the request stops here."""
-        self.tokens.append(token)
-        metrics = self.engine.context.metrics
-        if self.reply is not None:
-            return self._forced()
-        metrics.add_generated_tokens(1)
-        if not self.sampling.ignore_eos and token in self.engine._defaults.eos_token_ids:
-            self.reason, text = "stop", self.detok.flush()
-        else:
-            text = self.detok.add(token)
-            if self.detok.stopped:
-                self.reason = "stop"
-            elif len(self.tokens) >= self.limit:
-                self.reason = "length"
-                text += self.detok.flush()
-        if self.job.request.stream:
-            self.job.emit(TextFrame(text=text, token_ids=(token,)))
-        if self.reason is None:
-            self.job.check()
-        return self.reason is not None
-
-    def _forced(self) -> bool:
-        """A forced reply: no text for anyone; stop once the step that consumes its last token has run,
-        i.e. when the token after it (whatever it is, it is never used) has been picked."""
-        assert self.reply is not None
-        if len(self.tokens) <= len(self.reply):
-            self.engine.context.metrics.add_generated_tokens(1)
-            self.job.check()
-        else:
-            self.reason = "stop"
-        return self.reason is not None
-
-
 @dataclass(eq=False)
 class _ThinkerRow:
     """A request of the batched thinker, holding a cache slot: ``length`` positions cached, ``last`` the
@@ -665,57 +554,3 @@ class _ThinkerRow:
     length: int
     last: int
     generator: torch.Generator | None
-
-
-class _Force(LogitsProcessor):  # type: ignore[misc]  # transformers is untyped here
-    """Makes greedy decoding pick ``reply[t]`` at step t (every other token gets -inf); the step after
-    the reply is left alone (its token is never consumed)."""
-
-    def __init__(self, reply: list[int], prompt_len: int) -> None:
-        self.reply = reply
-        self.prompt_len = prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = input_ids.shape[1] - self.prompt_len
-        if step >= len(self.reply):
-            return scores
-        forced = torch.full_like(scores, float("-inf"))
-        forced[:, self.reply[step]] = 0.0
-        return forced
-
-
-class _RowHook:
-    """Forward hook on the thinker's text model: turns each step into talker rows, the ones the engine's
-    family sends (:meth:`OmniThinkerEngine.prompt_rows` after the prefill, then
-    :meth:`OmniThinkerEngine.reply_rows` for each decode step)."""
-
-    def __init__(self, engine: OmniThinkerEngine, job: OmniJob, stream: _Stream) -> None:
-        self.engine = engine
-        self.job = job
-        self.stream = stream
-        self.prefilled = False
-
-    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        embeds: torch.Tensor = kwargs["inputs_embeds"][0]
-        if not self.prefilled:
-            self.prefilled = True
-            data = self.job.data
-            rows, dtype = rows_to_wire(self.engine.prompt_rows(embeds, output, self.job))
-            special, _ = rows_to_wire(self.engine.special_rows(data["speaker_bos"]))
-            tensors = {
-                "prompt_rows": rows,
-                "prompt_ids": np.array(data["prompt_ids"], dtype=np.int64),
-                "special_rows": special,
-            }
-            media = data.get("media")
-            tensors.update(talker_media(media))
-            meta = {
-                self.engine.speaker_meta: data["speaker_bos"],
-                USE_AUDIO_IN_VIDEO: bool(media and media.get(USE_AUDIO_IN_VIDEO)),
-            }
-            self.job.emit(tensor_frame(PROMPT_KIND, tensors, dtype=dtype, **meta))
-            return
-        # A decode step's input is the token sampled last; its row is what talker step t needs.
-        rows, dtype = rows_to_wire(self.engine.reply_rows(embeds, output))
-        token = np.array([self.stream.tokens[-1]], dtype=np.int64)
-        self.job.emit(tensor_frame(REPLY_KIND, {"rows": rows, "token_ids": token}, dtype=dtype))
