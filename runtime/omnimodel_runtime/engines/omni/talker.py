@@ -10,22 +10,23 @@ not produced it yet. So the talker starts on the thinker's first token and the t
 Sampling uses the request's own random stream (:class:`~omnimodel_runtime.engines.omni.common.RngTurn`,
 seeded like the whole model: ``torch.manual_seed(seed)`` before ``generate()``); its final state goes to
 code2wav, whose diffusion noise continues the same stream, as it does in the whole model.
+
+This module is the engine: loading, requests one at a time through ``generate()``, and batched serving over
+decode slots (one step queued ahead of the host). What goes into and out of ``generate()`` is
+:mod:`~omnimodel_runtime.engines.omni.talker_stream`; the batched path's rows, steps and sampling are
+:mod:`~omnimodel_runtime.engines.omni.talker_batch`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import (
     Qwen2_5OmniTalkerForConditionalGeneration,
     RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria,
     StoppingCriteriaList,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
@@ -37,7 +38,6 @@ from omnimodel_runtime.engines.base import flag
 from omnimodel_runtime.engines.devices import sdpa_scope
 from omnimodel_runtime.engines.omni.common import (
     AUDIO_LENGTHS,
-    CODES_KIND,
     IMAGE_GRID,
     PROMPT_KIND,
     REPLY_KIND,
@@ -56,17 +56,35 @@ from omnimodel_runtime.engines.omni.common import (
     tensor_frame,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
+from omnimodel_runtime.engines.omni.talker_batch import _BATCHED_KEYS, _Step, _TalkerRow, draw
+from omnimodel_runtime.engines.omni.talker_stream import _Call, _Codes, _head, _reply_rows, _ReplyRows
 from omnimodel_runtime.engines.slots import SlotDecoder, SlotTable, host_ints, supported
 from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
-    ResponseFrame,
     StageInput,
     StageParams,
     TensorFrame,
     Usage,
 )
+
+# What goes into and out of generate(), and the batched path's parts, have modules of their own; every name
+# that lived here stays importable from here (other engine families build on them).
+__all__ = [
+    "TALKER_DEFAULTS",
+    "_BATCHED_KEYS",
+    "OmniTalkerEngine",
+    "_Call",
+    "_Codes",
+    "_ReplyRows",
+    "_Step",
+    "_TalkerRow",
+    "_head",
+    "_reply_rows",
+    "draw",
+    "warm_up_talker",
+]
 
 log = logging.getLogger(__name__)
 
@@ -471,186 +489,3 @@ class OmniTalkerEngine(OmniEngine):
             self._codes[slot].copy_(self._codes[last])
         if not self._slots.holders:
             self._pending = None
-
-
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One sample per row of ``probs`` from that row's generator, and each generator's state before its draw.
-
-    ``torch.multinomial(probs[k : k + 1], 1)``'s own algorithm (``argmax(p / q)``, ``q ~ Exp(1)`` drawn on a
-    tensor of the row's shape, so the same numbers), without its validity check, which waits for the
-    device in the torch releases that read it back. The states let a request found to have ended on the
-    step before report its stream as if this draw never happened."""
-    before = [gen.get_state() for gen in generators]
-    noise = [torch.empty_like(probs[k : k + 1]).exponential_(1, generator=gen) for k, gen in enumerate(generators)]
-    picks: torch.Tensor = (probs / torch.cat(noise)).argmax(dim=-1)
-    return picks, before
-
-
-@dataclass(eq=False, kw_only=True)
-class _Call:
-    """What ``generate()`` gets for one request, and what its decode steps continue from."""
-
-    # What the prompt's M-RoPE positions depend on: audio feature lengths, image and video grids, a
-    # video's seconds per temporal patch, whether its audio is interleaved (``use_audio_in_video``).
-    media: dict[str, Any]
-    input_ids: torch.Tensor
-    text_ids: torch.Tensor
-    inputs_embeds: torch.Tensor
-    reply0: torch.Tensor
-    rest: torch.Tensor  # reply rows that came with the first one
-    end: torch.Tensor  # text-end row
-    pad: torch.Tensor  # text-pad row
-    rows: Any  # frame, name -> rows tensor
-    generation: dict[str, Any]
-    criterion: _Codes
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.input_ids.shape[1])
-
-
-# Generation parameters the batched talker applies (others are the one-at-a-time path's only).
-_BATCHED_KEYS: Final = frozenset(
-    {"max_new_tokens", "do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "eos_token_id"}
-)
-
-
-@dataclass(eq=False, kw_only=True)
-class _Step:
-    """A queued batched decode step: its rows and their sampled codes (on the host once ``event`` is done;
-    ``None``: already there)."""
-
-    number: int
-    rows: list[_TalkerRow]
-    codes: torch.Tensor
-    event: Any
-
-
-@dataclass(eq=False, kw_only=True)
-class _TalkerRow:
-    """A request of the batched talker: its thinker input so far and, once prefilled, its slot state."""
-
-    job: OmniJob
-    prompt: TensorFrame | None = None
-    first: TensorFrame | None = None
-    later: list[TensorFrame] = field(default_factory=list)  # reply frames that came before the prefill
-    rows: deque[torch.Tensor] = field(default_factory=deque)
-    upstream_done: bool = False
-    tail: int = 0  # tail rows used (text-end, then text-pad)
-    call: _Call | None = None
-    generator: torch.Generator | None = None
-    length: int = 0
-    delta: int = 0
-    history: int = 0
-    steps: int = 0  # decode steps queued
-    launched: int = 0  # the number of the last step queued for it
-    before: torch.Tensor | None = None  # its generator's state before that step's draw
-    final: bool = False  # its last step is queued (code cap or slot capacity)
-    over: bool = False  # answered: codes of steps queued since are dropped
-
-    def take(self, frames: list[ResponseFrame]) -> None:
-        for frame in frames:
-            if isinstance(frame, TensorFrame) and frame.meta.get("kind") == PROMPT_KIND:
-                self.prompt = frame
-            elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == REPLY_KIND:
-                if self.first is None:
-                    self.first = frame
-                elif self.call is None:
-                    self.later.append(frame)
-                else:
-                    self.rows.extend(self.call.rows(frame, "rows"))
-            elif isinstance(frame, FinalFrame):
-                self.upstream_done = True
-        if self.job.ended:
-            self.upstream_done = True
-
-    @property
-    def ready(self) -> bool:
-        """Whether the row for the next step is here (thinker rows, or the tail once the thinker ended)."""
-        return self.call is not None and (bool(self.rows) or self.upstream_done)
-
-    @property
-    def launchable(self) -> bool:
-        """Whether a step can be queued for it: its input is here and its speech may go on."""
-        return self.ready and not self.final and not self.over
-
-    def next_row(self) -> torch.Tensor:
-        """Row t for step t: reply rows, then text-end, then text-pad (as :class:`_ReplyRows`)."""
-        assert self.call is not None
-        if self.rows:
-            return self.rows.popleft()
-        self.tail += 1
-        return self.call.end[0] if self.tail == 1 else self.call.pad[0]
-
-
-def _head(frames: Iterator[ResponseFrame]) -> tuple[TensorFrame | None, TensorFrame | None]:
-    """The thinker's prompt frame and its first reply row (``None`` when it ended before them)."""
-    prompt = None
-    for frame in frames:
-        if isinstance(frame, TensorFrame) and frame.meta.get("kind") == PROMPT_KIND:
-            prompt = frame
-        elif isinstance(frame, TensorFrame) and frame.meta.get("kind") == REPLY_KIND:
-            return prompt, frame
-        elif isinstance(frame, FinalFrame):
-            break
-    return prompt, None
-
-
-def _reply_rows(frames: Iterator[ResponseFrame], rows: Any, first: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Reply rows one at a time, blocking on the thinker (text frames are the client's, not ours)."""
-    yield from first
-    for frame in frames:
-        if isinstance(frame, TensorFrame) and frame.meta.get("kind") == REPLY_KIND:
-            yield from rows(frame, "rows")
-        elif isinstance(frame, FinalFrame):
-            return
-
-
-class _ReplyRows:
-    """Row t for talker step t: reply rows while the thinker has them, then text-end, then text-pad for
-    as long as the talker keeps speaking (the whole model's ``thinker_reply_part`` tail)."""
-
-    def __init__(self, rows: Iterator[torch.Tensor], *, end: torch.Tensor, pad: torch.Tensor) -> None:
-        self._rows = rows
-        self._tail = [end[0], pad[0]]
-        self._done = False
-
-    def next(self) -> torch.Tensor:
-        if not self._done:
-            row = next(self._rows, None)
-            if row is not None:
-                return row
-            self._done = True
-        return self._tail.pop(0) if len(self._tail) > 1 else self._tail[0]
-
-
-class _Codes(StoppingCriteria):  # type: ignore[misc]  # transformers is untyped here
-    """Streams each sampled code to code2wav and ends the request's turn on the global generator."""
-
-    def __init__(self, engine: OmniTalkerEngine, job: OmniJob, turn: RngTurn, *, eos: set[int], limit: int) -> None:
-        self.engine = engine
-        self.job = job
-        self.turn = turn
-        self.eos = eos
-        self.limit = limit
-        self.count = 0
-        self.reason = "length"
-        self.done = False
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
-        self.turn.end()
-        self.engine.context.metrics.observe_batch(1)
-        self.take(int(input_ids[0, -1]))
-        return torch.full((input_ids.shape[0],), self.done, dtype=torch.bool, device=input_ids.device)
-
-    def take(self, code: int) -> bool:
-        """Stream ``code`` (the one just sampled); whether speech ends here."""
-        if code in self.eos:
-            self.done, self.reason = True, "stop"
-        else:
-            self.count += 1
-            self.engine.context.metrics.add_generated_tokens(1)
-            self.job.emit(tensor_frame(CODES_KIND, {"codes": np.array([code], dtype=np.int64)}))
-            self.done = self.count >= self.limit
-            self.job.check()
-        return self.done
