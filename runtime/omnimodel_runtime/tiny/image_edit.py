@@ -16,7 +16,7 @@ builder's parts with two differences:
 
 The processor is written as files (``preprocessor_config.json`` and the tokenizer's), not with
 ``save_pretrained``: transformers builds a ``Qwen2VLProcessor`` only with its video processor, which needs
-torchvision (:func:`~omnimodel_runtime.engines.t2i.families.load_qwen_vl_processor` loads it either way).
+torchvision (:func:`~omnimodel_runtime.engines.t2i.qwen_image.load_qwen_vl_processor` loads it either way).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from stage_engines import (
 )
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.engines.t2i.families import QwenImageEditFamily, load_qwen_vl_processor
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS
+from omnimodel_runtime.engines.t2i.qwen_image import QwenImageEditFamily, load_qwen_vl_processor
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
 from omnimodel_runtime.protocol.images import ImageEditParams, TextToImageParams

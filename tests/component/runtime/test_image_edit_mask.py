@@ -34,7 +34,7 @@ from stage_engines import assert_rounding_only
 
 from omnimodel_runtime.engines.base import EngineContext, NullMetrics
 from omnimodel_runtime.engines.registry import create_engine
-from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor
+from omnimodel_runtime.engines.t2i.qwen_image import load_qwen_vl_processor
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.metrics import StageMetricsFamily
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset
@@ -308,7 +308,8 @@ async def test_the_openai_clients_masked_edit_gets_the_inpaint_pipelines_image(
 
 
 def _resolve_masked(strength: float, **image: Any) -> Any:
-    from omnimodel_runtime.engines.t2i.families import PipelineDefaults, QwenImageEditFamily
+    from omnimodel_runtime.engines.t2i.family import PipelineDefaults
+    from omnimodel_runtime.engines.t2i.qwen_image import QwenImageEditFamily
     from omnimodel_runtime.engines.t2i.requests import resolve
 
     family = QwenImageEditFamily()

@@ -25,7 +25,7 @@ STEPS = 2
 def _diffusers(model_dir: Path, image: bytes, prompt: str, *, seed: int, width: int, height: int) -> np.ndarray:
     from PIL import Image
 
-    from omnimodel_runtime.engines.t2i.families import load_qwen_vl_processor
+    from omnimodel_runtime.engines.t2i.qwen_image import load_qwen_vl_processor
 
     pipe = diffusers_pipeline(
         "QwenImageEditPipeline", model_dir, processor=load_qwen_vl_processor(model_dir / "processor")

@@ -34,9 +34,9 @@ from stage_engines import (
 from omnimodel_runtime.engines.base import EngineContext
 from omnimodel_runtime.engines.registry import create_engine
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+from omnimodel_runtime.engines.t2i.qwen_image import QwenImageFamily
 from omnimodel_runtime.engines.t2i.wire import from_wire, to_wire
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeline, Route, Stage, StageKind, get_preset

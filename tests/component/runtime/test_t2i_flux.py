@@ -19,7 +19,7 @@ from stage_engines import diffusers_images, diffusers_pipeline, images_of, stage
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.engines.t2i.families import FluxFamily
+from omnimodel_runtime.engines.t2i.flux import FluxFamily
 from omnimodel_runtime.pipeline import ModelSource, get_preset
 from omnimodel_runtime.protocol.images import TextToImageParams
 from omnimodel_runtime.protocol.stage import StageParams, StageRequest

@@ -20,10 +20,10 @@ import pytest
 import torch
 from stage_engines import conv3d_calls, diffusers_pipeline
 
-from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
-from omnimodel_runtime.engines.t2i.families import QwenImageFamily
 from omnimodel_runtime.engines.t2i.fused import MODULATIONS, ModulationSchedule, fuse_blocks, unfuse_blocks
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+from omnimodel_runtime.engines.t2i.qwen_image import QwenImageFamily
+from omnimodel_runtime.engines.t2i.speed import speed_up as apply_speed_options
 from omnimodel_runtime.engines.t2i.vae import undo_vae_2d, vae_2d
 
 pytestmark = pytest.mark.engine
@@ -38,9 +38,9 @@ def pipe(tiny_t2i: Path) -> Any:
 
 
 def speed_up(pipe: Any, **engine_args: Any) -> None:
-    """The engine's own ``_speed_up`` for these engine_args, on ``pipe`` (what the engine does at load)."""
+    """The engine's own speed options for these engine_args, on ``pipe`` (what the engine does at load)."""
     stage = SimpleNamespace(engine_args=engine_args, name="t2i")
-    DiffusersImageEngine._speed_up(SimpleNamespace(context=SimpleNamespace(stage=stage), stage=stage), pipe)  # type: ignore[arg-type]
+    apply_speed_options(pipe, stage)  # type: ignore[arg-type]
 
 
 def image(pipe: Any) -> np.ndarray:
@@ -334,8 +334,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from stage_engines import diffusers_pipeline
 from omnimodel_runtime.engines.t2i import fused, kernels
-from omnimodel_runtime.engines.t2i.families import QwenImageFamily
+from omnimodel_runtime.engines.t2i.qwen_image import QwenImageFamily
 from omnimodel_runtime.engines.t2i.guidance import BatchedGuidance
+from omnimodel_runtime.engines.t2i.speed import speed_up as apply_speed_options
 
 pipe = diffusers_pipeline("QwenImagePipeline", sys.argv[1], dtype=torch.float32)
 def image():

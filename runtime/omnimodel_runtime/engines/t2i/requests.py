@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from omnimodel_runtime.engines.t2i.families import PipelineDefaults
+from omnimodel_runtime.engines.t2i.family import PipelineDefaults
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import StageRequest
 
