@@ -179,14 +179,14 @@ def _status(
         for sp in plan.stages
         if (hpa := current.get(("HorizontalPodAutoscaler", naming.stage_name(plan.name, sp.name)))) is not None
     }
-    if isinstance(plan, VllmPlan):
-        stages, gateway = vllm_components(plan, current, pods)
-        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers)
     weights = None
     if fetches(plan):
         job = job_name(plan)
         job_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
         weights = weights_state(job, plan.spec.model.revision, current.get(("Job", job)), job_pods, progress)
+    if isinstance(plan, VllmPlan):
+        stages, gateway = vllm_components(plan, current, pods)
+        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers, weights)
     stages = []
     for sp in plan.stages:
         name = naming.stage_name(plan.name, sp.stage.name)

@@ -40,13 +40,16 @@ from omnimodel_operator.builders.common import (
     runtime_env,
     scratch_volumes,
     service_account,
+    stage_requests,
     stage_resources,
     tolerations_list,
 )
+from omnimodel_operator.builders.weights import OFFLINE_ENV, fetch_job, fetches, wait_weights_container, weights_claim
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.vllm_omni.plan import (
     API_PORT,
     DEPLOY_FILE,
+    FETCH_STAGE,
     MASTER_PORT,
     MOONCAKE_METADATA_PORT,
     MOONCAKE_RPC_PORT,
@@ -72,6 +75,11 @@ PROBE_FILE: Final = "omnimodel_probe.py"
 # grace period covers it and vLLM-Omni's own shutdown.
 DRAIN_SECONDS: Final = 30
 TERMINATION_GRACE_SECONDS: Final = 90
+# /dev/shm of a vLLM-Omni pod: vLLM's processes exchange through it (the broadcast queue of a
+# tensor-parallel group, tensors passed between processes) and NCCL uses it between a pod's GPUs. A memory
+# emptyDir without a size could grow to the whole pod's memory; this is 1 GiB plus 1 GiB per device.
+SHM_BASE_GIB: Final = 1
+SHM_PER_DEVICE_GIB: Final = 1
 
 # The head's liveness probe for configs whose entry stage answers text: /health, then a one-token, text-only
 # chat through the orchestrator. vLLM-Omni 0.30.0's /health stays 200 when the orchestrator is wedged (a
@@ -132,7 +140,13 @@ def deploy_configmap(plan: VllmPlan) -> Manifest:
         "metadata": metadata(
             plan, naming.pipeline_configmap_name(plan.name), naming.common_labels(plan.name, C.COMPONENT_PIPELINE)
         ),
-        "data": {DEPLOY_FILE: text, SHIM_FILE: _podfile(SHIM_FILE), PROBE_FILE: _podfile(PROBE_FILE)},
+        "data": {
+            DEPLOY_FILE: text,
+            SHIM_FILE: _podfile(SHIM_FILE),
+            PROBE_FILE: _podfile(PROBE_FILE),
+            # What the weights fetch and each pod's wait for it read (builders/weights.py).
+            **({C.PIPELINE_FILE_KEY: plan.pipeline.to_json()} if fetches(plan) else {}),
+        },
     }
 
 
@@ -142,7 +156,8 @@ def _podfile(name: str) -> str:
 
 def _deploy_volume(plan: VllmPlan) -> tuple[dict[str, Any], dict[str, Any]]:
     mount = {"name": "deploy", "mountPath": DEPLOY_DIR, "readOnly": True}
-    items = [{"key": key, "path": key} for key in (DEPLOY_FILE, SHIM_FILE, PROBE_FILE)]
+    keys = (DEPLOY_FILE, SHIM_FILE, PROBE_FILE, *((C.PIPELINE_FILE_KEY,) if fetches(plan) else ()))
+    items = [{"key": key, "path": key} for key in keys]
     ours = {"name": naming.pipeline_configmap_name(plan.name), "items": items}
     ref = plan.spec.runtime.deploy_config_ref
     if ref is None:
@@ -168,17 +183,21 @@ def _common_args(plan: VllmPlan, sp: VllmStagePlan) -> list[str]:
         config = ["--stage-overrides", overrides] if stage else []
     else:
         config = ["--deploy-config", _deploy_path(plan)]
-    return [plan.model, "--omni", *config, "--stage-id", str(sp.stage.id), *extra]
+    model = plan.spec.model
+    # Offline pods find a branch in the cache by the ref the fetch wrote; a revision is never implied.
+    revision = ["--revision", model.revision] if model.revision and model.source.startswith("hf://") else []
+    return [plan.model, "--omni", *config, *revision, "--stage-id", str(sp.stage.id), *extra]
 
 
 def _env(plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings) -> list[dict[str, Any]]:
     acc = accelerator_for(sp.accelerator.vendor)
     model = plan.spec.model
-    # vLLM-Omni downloads hf:// weights itself (no fetch Job yet), so its pods get the mirror and token.
+    # A fetched model is read from the cache with the Hub offline. Without a cache each pod downloads hf://
+    # weights itself, from the mirror if one is named (the spec refuses a token without a cache: only the
+    # fetch Job ever gets it).
     hub: list[dict[str, Any]] = [{"name": "HF_ENDPOINT", "value": model.endpoint}] if model.endpoint else []
-    if model.token_secret is not None:
-        ref = {"name": model.token_secret.name, "key": model.token_secret.key}
-        hub.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if fetches(plan):
+        hub = list(OFFLINE_ENV)
     return merge_env(
         runtime_env(plan),
         hub,
@@ -199,6 +218,7 @@ def _pod(
     container: dict[str, Any],
     settings: OperatorSettings,
     extra_volumes: list[dict[str, Any]],
+    init_containers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     acc_request = sp.accelerator if sp is not None else None
     acc = accelerator_for(acc_request.vendor if acc_request is not None else Vendor.CPU)
@@ -206,6 +226,7 @@ def _pod(
     pod: dict[str, Any] = {
         **pod_identity(plan),
         "securityContext": pod_security_context(),
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": extra_volumes,
         "enableServiceLinks": False,
@@ -227,10 +248,22 @@ def _pod(
 
 def _engine_container(
     plan: VllmPlan, sp: VllmStagePlan, args: list[str], settings: OperatorSettings, *, head: bool
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The engine container, the pod's volumes and its init containers (the wait for fetched weights)."""
     deploy_vol, deploy_mount = _deploy_volume(plan)
-    cache_vol, cache_mount = model_cache_volume(plan)
+    own = sp.spec.resources if sp.spec else None
+    init: list[dict[str, Any]] = []
+    cache_vol, cache_mount = model_cache_volume(plan, read_only=fetches(plan))
+    if fetches(plan):
+        # The wait runs from the runtime image (vLLM-Omni's has no `omnimodel`) with the stage's CPU and
+        # memory, not its devices, as the omnimodel runtime's stages do (builders/stage.py).
+        wait = resources_dict(own, stage_requests(settings, sp.accelerator), settings.limit_ratios)
+        init = [wait_weights_container(settings.cpu_runtime_image, FETCH_STAGE, wait, [deploy_mount, cache_mount])]
     scratch_vols, scratch_mounts = scratch_volumes()
+    devices = sp.accelerator.count if accelerator_for(sp.accelerator.vendor).resource_name else 0
+    shm = f"{SHM_BASE_GIB + SHM_PER_DEVICE_GIB * devices}Gi"
+    scratch_vols = [{**v, "emptyDir": {**v["emptyDir"], "sizeLimit": shm}} if v["name"] == "dshm" else v
+                    for v in scratch_vols]  # fmt: skip
     source = model_source_volume(plan)
     source_vols, source_mounts = ([source[0]], [source[1]]) if source else ([], [])
     env = _env(plan, sp, settings)
@@ -241,7 +274,7 @@ def _engine_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "resources": stage_resources(sp.spec.resources if sp.spec else None, sp.accelerator, settings),
+        "resources": stage_resources(own, sp.accelerator, settings),
         "volumeMounts": [deploy_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
     }
@@ -274,7 +307,7 @@ def _engine_container(
             ]
         )
         container.update(_replica_probes())
-    return container, [deploy_vol, cache_vol, *source_vols, *scratch_vols]
+    return container, [deploy_vol, cache_vol, *source_vols, *scratch_vols], init
 
 
 def _head_probes(plan: VllmPlan) -> dict[str, Any]:
@@ -362,8 +395,8 @@ def head_deployment(plan: VllmPlan, settings: OperatorSettings, marks: RestartMa
         "--port", str(API_PORT),
         "--served-model-name", plan.served_name,
     ]  # fmt: skip
-    container, volumes = _engine_container(plan, sp, args, settings, head=True)
-    pod = _pod(plan, sp, container, settings, volumes)
+    container, volumes, init = _engine_container(plan, sp, args, settings, head=True)
+    pod = _pod(plan, sp, container, settings, volumes, init)
     return _deployment(
         plan, naming.stage_name(plan.name, sp.name), head_labels(plan), head_selector(plan), pod, 1,
         _annotations(plan, marks.head_template), recreate=True, annotations=marks.head_metadata,
@@ -387,8 +420,8 @@ def replica_deployment(
         "--omni-master-port", str(MASTER_PORT),
         "--omni-replica-address", "$(POD_IP)",
     ]  # fmt: skip
-    container, volumes = _engine_container(plan, sp, args, settings, head=False)
-    pod = _pod(plan, sp, container, settings, volumes)
+    container, volumes, init = _engine_container(plan, sp, args, settings, head=False)
+    pod = _pod(plan, sp, container, settings, volumes, init)
     labels = naming.stage_labels(plan.name, sp.name)
     return _deployment(
         plan, replica_deployment_name(plan, sp), labels, naming.stage_selector(plan.name, sp.name), pod, replicas,
@@ -501,6 +534,9 @@ def network_policies(plan: VllmPlan, settings: OperatorSettings) -> list[Manifes
 def render_vllm_omni(plan: VllmPlan, settings: OperatorSettings, marks: RestartMarks) -> list[Manifest]:
     """Every child, in apply order (the deploy file before the pods that mount it)."""
     out: list[Manifest] = [deploy_configmap(plan), service_account(plan)]
+    # The weights, fetched once into the cache claim by the runtime image (vLLM-Omni's has no fetcher).
+    fetch = (weights_claim(plan), fetch_job(plan, settings, settings.cpu_runtime_image))
+    out.extend(m for m in fetch if m is not None)
     if plan.network_edges:
         out.extend(mooncake(plan, settings))
     out.extend([master_service(plan), api_service(plan), head_deployment(plan, settings, marks)])

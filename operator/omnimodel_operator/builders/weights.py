@@ -183,7 +183,6 @@ def wait_weights_container(
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

@@ -17,7 +17,15 @@ from omnimodel_operator.api.v1alpha1 import SINGLE_STAGE, OmniModelSpec, StageSp
 from omnimodel_operator.resolve import InvalidSpec, accelerator_request
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.vllm_omni.catalogue import CatalogueEdge, CatalogueStage, DeployConfigEntry, load_catalogue
-from omnimodel_runtime.pipeline import AcceleratorRequest, Vendor
+from omnimodel_runtime.pipeline import (
+    AcceleratorRequest,
+    EngineName,
+    ModelSource,
+    Pipeline,
+    Stage,
+    StageKind,
+    Vendor,
+)
 
 # Ports of the head pod: the OpenAI API, and the master replicas register with (vLLM-Omni then opens
 # ephemeral ports on the head's address for each replica slot, so replicas need the pod IP, not a VIP).
@@ -33,6 +41,8 @@ OVERLAY_FILE: Final = "overlay.yaml"
 # engineArgs keys that are the operator's to set: a pod's devices are its own (the YAML's host-local
 # indices would name devices the pod does not have), and replica counts are Deployments.
 _OPERATOR_FIELDS: Final = ("devices", "num_replicas")
+# The one stage of the pipeline the weights fetch reads (VllmPlan.pipeline), which every pod waits for.
+FETCH_STAGE: Final = "model"
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,22 @@ class VllmPlan:
     def service_of(self, stage: str) -> str:
         # Stage pods serve nothing of their own: the head's API Service is the one endpoint.
         return self.endpoint if stage == self.head.name else ""
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """What the weights fetch (builders/weights.py) reads: the model, and one stage, ``model``, that
+        needs every file of the repository. Each vLLM-Omni stage loads the model by its hub id from the
+        whole snapshot (its weight loader walks every checkpoint file), so there is no per-stage subset."""
+        model = self.spec.model
+        kind = StageKind.DIFFUSION if self.head.stage.type == "diffusion" else StageKind.AR
+        stage = Stage(name=FETCH_STAGE, kind=kind, engine=EngineName.VLLM, task="vllm-omni")
+        return Pipeline(
+            name=self.name,
+            model=ModelSource(source=model.source, revision=model.revision),
+            stages=(stage,),
+            modalities=(),
+            routes=(),
+        )
 
     def wakes(self, stage: str) -> bool:
         return False  # vLLM-Omni's head holds nothing for a stage at zero (the spec refuses minReplicas 0)

@@ -118,6 +118,11 @@ def ref_path(cache: Path, repo: str, revision: str) -> Path:
     return marker_dir(cache, repo) / "refs" / quote(revision, safe="")
 
 
+def hub_ref_path(cache: Path, repo: str, revision: str) -> Path:
+    """huggingface_hub's ref of ``revision`` (``refs/pr/1`` nests, as huggingface_hub writes it)."""
+    return cache / f"models--{repo_key(repo)}" / "refs" / revision
+
+
 def error_path(cache: Path, repo: str) -> Path:
     return marker_dir(cache, repo) / "last-error.json"
 
@@ -145,6 +150,9 @@ def write_marker(cache: Path, marker: Marker) -> Path:
     _atomic_write(path, marker.model_dump_json(indent=2) + "\n")
     if marker.revision != marker.sha:
         _atomic_write(ref_path(cache, marker.repo, marker.revision), marker.sha + "\n")
+        # huggingface_hub's own ref too (hf_hub_download by sha writes none), so a plain client offline
+        # (vLLM-Omni's pods: `vllm serve org/name` with HF_HUB_OFFLINE) resolves the branch to this snapshot.
+        _atomic_write(hub_ref_path(cache, marker.repo, marker.revision), marker.sha)
     with contextlib.suppress(OSError):
         error_path(cache, marker.repo).unlink()
     return path

@@ -3,6 +3,7 @@ files per config × vendor, and the specs that cannot work."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from omnimodel_operator.builders import render
 from omnimodel_operator.resolve import InvalidSpec, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.vllm_omni import load_catalogue
+from omnimodel_runtime.pipeline import parse_pipeline
 
 REPO = Path(__file__).parents[3]
 GOLDEN = Path(__file__).parent / "golden" / "vllm-omni"
@@ -169,3 +171,62 @@ def test_specs_that_cannot_work_are_refused_naming_the_field(
         resolve("m", "ml", spec("qwen2_5_omni", stages, source), SETTINGS, uid=UID)
     assert info.value.field == field, info.value
     assert words in info.value.message, info.value
+
+
+def test_a_cached_hub_model_is_fetched_once_and_every_pod_reads_it_offline() -> None:
+    model = {
+        "source": "hf://org/model",
+        "revision": "v1",
+        "endpoint": "http://mirror.ml:8090",
+        "tokenSecret": {"name": "hf-token", "key": "token"},
+        "cache": {"pvc": "weights"},
+    }
+    stages: list[dict[str, Any]] = [
+        {"name": "talker", "replicas": 2},
+        {"name": "code2wav", "accelerator": {"vendor": "cpu"}},
+    ]
+    plan = resolve("omni", "ml", {**spec("qwen2_5_omni", stages), "model": model}, SETTINGS, uid=UID)
+    out = by_kind_name(render(plan, SETTINGS))
+    jobs = [m for (kind, _), m in out.items() if kind == "Job"]
+    assert len(jobs) == 1  # one fetch for the whole graph, not one download per pod
+    (fetch,) = jobs[0]["spec"]["template"]["spec"]["containers"]
+    # vLLM-Omni's image has no `omnimodel`: the fetch runs from the runtime image.
+    assert fetch["image"] == SETTINGS.cpu_runtime_image and fetch["command"] == ["omnimodel", "fetch"]
+    mentions = [f"{k}/{n}" for (k, n), m in out.items() if "hf-token" in json.dumps(m)]
+    assert mentions == [f"Job/{jobs[0]['metadata']['name']}"]
+    # What the fetch and the waits read: the whole repository under one stage, `model`.
+    pipeline = parse_pipeline(out[("ConfigMap", "omni-pipeline")]["data"]["pipeline.json"])
+    assert pipeline.model.source == "hf://org/model" and pipeline.model.revision == "v1"
+    assert [(s.name, s.files) for s in pipeline.stages] == [("model", None)]
+    shm = {"thinker": "2Gi", "talker": "2Gi", "code2wav": "1Gi"}
+    for stage in ("thinker", "talker", "code2wav"):
+        pod = out[("Deployment", f"omni-{stage}")]["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["image"] == SETTINGS.cpu_runtime_image
+        assert init["command"] == ["omnimodel", "wait-weights"] and init["args"][-2:] == ["--stage", "model"]
+        assert "nvidia.com/gpu" not in json.dumps(init["resources"])  # the wait holds no device
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        assert {"key": "pipeline.json", "path": "pipeline.json"} in volumes["deploy"]["configMap"]["items"]
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm[stage]}
+        engine = container(out[("Deployment", f"omni-{stage}")])
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["HF_HUB_OFFLINE"] == "1" and "HF_TOKEN" not in env and "HF_ENDPOINT" not in env
+        assert env["HF_HOME"] == "/models/hf"  # the cache's hub layout, where the fetch put the files
+        args = engine["args"]
+        assert args[:2] == ["org/model", "--omni"] and args[args.index("--revision") + 1] == "v1"
+        mount = next(m for m in engine["volumeMounts"] if m["name"] == "model-cache")
+        assert mount["readOnly"] is True
+
+
+def test_without_a_cache_each_vllm_omni_pod_downloads_from_the_mirror() -> None:
+    model = {"source": "hf://org/model", "endpoint": "http://mirror.ml:8090"}
+    out = by_kind_name(render(resolve("omni", "ml", {**spec("qwen2_5_omni"), "model": model}, SETTINGS), SETTINGS))
+    assert not [k for k in out if k[0] in ("Job", "PersistentVolumeClaim")]
+    assert "pipeline.json" not in out[("ConfigMap", "omni-pipeline")]["data"]
+    talker = out[("Deployment", "omni-talker")]
+    assert "initContainers" not in talker["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "emptyDir": {}} in talker["spec"]["template"]["spec"]["volumes"]
+    env = {e["name"]: e.get("value") for e in container(talker)["env"]}
+    assert env["HF_ENDPOINT"] == "http://mirror.ml:8090" and "HF_HUB_OFFLINE" not in env
+    assert "--revision" not in container(talker)["args"]

@@ -101,6 +101,20 @@ def test_fetch_downloads_the_union_once_and_marks_it(tmp_path: Path, monkeypatch
     assert again.downloaded_bytes == 0
 
 
+def test_a_plain_hub_client_offline_finds_the_fetched_branch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM-Omni's pods load `org/name` with huggingface_hub offline: the branch must resolve to the fetched sha.
+    import huggingface_hub
+
+    FakeHub(monkeypatch, T2I)
+    cache = tmp_path / "cache"
+    run.fetch_pipeline(t2i(revision="v1"), cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    found = huggingface_hub.snapshot_download("acme/t2i", revision="v1", cache_dir=cache, local_files_only=True)
+    assert Path(found) == layout.snapshot_dir(cache, "acme/t2i", SHA)
+    config = huggingface_hub.try_to_load_from_cache("acme/t2i", "vae/config.json", cache_dir=cache, revision="v1")
+    assert config == str(layout.snapshot_dir(cache, "acme/t2i", SHA) / "vae/config.json")
+
+
 def test_fetching_one_stage_then_another_merges_the_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeHub(monkeypatch, T2I)
     cache = tmp_path / "cache"
