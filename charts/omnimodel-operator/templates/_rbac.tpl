@@ -1,7 +1,7 @@
 {{/*
 RBAC rules: exactly the kinds and verbs the operator uses (omnimodel_operator/reconcile.py, handlers.py) plus what kopf itself needs (https://kopf.readthedocs.io/en/stable/deployment/), each
-commented with its purpose. No wildcards; no Secrets (a gateway's apiKeySecret is only referenced by
-name in the pod spec, never read). tests/unit/chart checks these rules against that list.
+commented with its purpose. No wildcards. Secrets: `get` only, to say in status which Secret an OmniModel
+names and lacks; their data is never listed or watched. tests/unit/chart checks these rules against that list.
 */}}
 
 {{/*
@@ -57,6 +57,11 @@ watchNamespaces otherwise.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# Secrets an OmniModel names (gateway.apiKeySecret, model.tokenSecret): read one by name to report a
+# missing Secret or key (Ready=False/SecretNotFound) before its pods fail on it. Never listed or watched.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 # Events on OmniModels: the operator's Ready transitions and kopf's handler warnings.
 - apiGroups: [""]
   resources: ["events"]
