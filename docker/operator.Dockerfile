@@ -2,7 +2,7 @@
 #
 # The operator image: <registry>/omnimodel-operator:<version> (the chart's image.repository and tag).
 # Only the `operator` extra: kopf, the Kubernetes client, pydantic-settings, prometheus-client. No torch,
-# no FastAPI, no engines (import-linter keeps omnimodel_operator off them; tests/unit/chart checks this file).
+# no FastAPI, no engines (import-linter keeps omnimodel_operator off them; tests/component/chart checks this file).
 #
 #   make images                              # buildah here, docker where a daemon runs
 #   docker build -f docker/operator.Dockerfile -t omnimodel-operator:0.1.0 .

@@ -1,7 +1,7 @@
 {{/*
 RBAC rules: exactly the kinds and verbs the operator uses (omnimodel_operator/reconcile.py, handlers.py) plus what kopf itself needs (https://kopf.readthedocs.io/en/stable/deployment/), each
 commented with its purpose. No wildcards. Secrets: `get` only, to say in status which Secret an OmniModel
-names and lacks; their data is never listed or watched. tests/unit/chart checks these rules against that list.
+names and lacks; their data is never listed or watched. tests/component/chart checks these rules against that list.
 */}}
 
 {{/*
