@@ -2,7 +2,7 @@
 # The GPU runs behind bench/results/*-h200.json, on one H200 lent by the device tool (its image has torch,
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
 #   bash bench/h200.sh omni-ladder omni3   (issue 39: Qwen2.5-Omni 7B sizes as three stage processes at 1,4,16,64
-#     concurrent streams, then Qwen3-Omni 30B-A3B sizes in one process at 1 and 16; OMNI_SIZE / OMNI3_SIZE=tiny,
+#     concurrent streams, then Qwen3-Omni 30B-A3B sizes batched in one process at 1 and 16; OMNI_SIZE / OMNI3_SIZE=tiny,
 #     OMNI_DEVICE=cpu, OMNI_LADDER, OMNI3_LADDER and OMNI_SKIP_WHEELS=1 rehearse it on a CPU at tiny size)
 #   bash bench/h200.sh omni text t2i      (vae: Qwen-Image's VAE with and without vae_2d; omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
@@ -45,15 +45,19 @@ for section in "$@"; do
       ;;
     omni3)
       # Qwen3-Omni 30B-A3B sizes (~70 GB of bf16 weights) in one process on one GPU, MoE through grouped
-      # products (engine_args.moe's default on CUDA); its stages serve one request at a time. The 7B build
+      # products (engine_args.moe's default on CUDA). Batched as omni-ladder's Qwen2.5 stages: the thinker
+      # and talker decode every stream in one step over 16 slots of 2048 positions (the bench's prompts plus
+      # 48 text tokens and its codes; 3.2 GB of thinker cache), CUDA graphs per (rows, length) bucket;
+      # batching=true is the default on CUDA, named so that a CPU rehearsal takes the same path. The 7B build
       # leaves /dev/shm first: host memory holds one of them, not both beside three processes.
       size=${OMNI3_SIZE:-qwen3-omni-30b-a3b}; model=/dev/shm/omni3-$size
       [ "$size" = tiny ] || rm -rf /dev/shm/omni-qwen2.5-omni-7b /dev/shm/omni7b
       [ -d "$model" ] || { time om make-tiny --preset qwen3-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
       om bench --preset qwen3-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
         --omni-prompts 2 --omni-concurrency "${OMNI3_LADDER:-1,16}" --omni-requests "${OMNI3_REQUESTS:-4}" \
-        --omni-deployments in_process --hf-baseline 0 --start-timeout 900 ${OMNI_ENGINE_ARGS:-} \
-        --out "$OUT/omni3-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
+        --omni-deployments in_process --hf-baseline 0 --start-timeout 900 \
+        --engine-arg batching=true --engine-arg max_batch_size=16 --engine-arg slot_capacity=2048 \
+        ${OMNI_ENGINE_ARGS:-} --out "$OUT/omni3-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
       ;;
     omni-parts)
       [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }

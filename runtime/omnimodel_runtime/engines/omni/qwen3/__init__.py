@@ -19,9 +19,11 @@ running request over per-request KV cache slots, with Qwen3's query/key norms):
   media's feature lengths, patch grids and a video's seconds per temporal patch for its M-RoPE) and runs
   ``Qwen3OmniMoeTalkerForConditionalGeneration.generate()``: each step samples a first-group code, and the
   next step's code predictor draws its residual codes; one frame of ``num_code_groups`` codes goes to code2wav
-  per step. It starts when the thinker has finished: the whole model projects the assistant's text in one
-  batch, and projecting rows as they arrive rounds differently (measured on CPU: rows of fewer than four),
-  so waiting is what keeps the split equal to the whole model.
+  per step. One request at a time it starts when the thinker has finished: the whole model projects the
+  assistant's text in one batch, and projecting rows as they arrive rounds differently (measured on CPU: rows
+  of fewer than four), so waiting is what keeps the split equal to the whole model. Batched
+  (:mod:`.batched_talker`) it starts on the thinker's first reply row and steps every request together, the
+  code predictor's residual codes of all of them in one batch.
 - **code2wav** (:class:`Qwen3Code2WavEngine`): ``Qwen3OmniMoeCode2Wav`` (codes -> 24 kHz waveform, no
   randomness). Whole path (non-streamed requests): ``chunked_decode(codes, 300, 25)`` as the whole model;
   streamed: chunks of ``stream_chunk`` codes as they arrive, each with ``left_context`` codes before it and

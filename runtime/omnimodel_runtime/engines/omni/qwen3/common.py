@@ -77,11 +77,9 @@ def lend_audio_config(talker: Any, config: Any) -> None:
 
 
 def one_at_a_time(engine: OmniEngine) -> None:
-    """The Qwen3-Omni engines serve one request at a time (batched decoding is Qwen2.5-Omni's only)."""
+    """An engine that serves one request at a time (Qwen3-Omni's code2wav: its batching is not implemented)."""
     if engine.batched:
-        log.warning(
-            "Stage %s serves one request at a time: batching is not implemented for Qwen3-Omni", engine.stage.name
-        )
+        log.warning("Stage %s serves one request at a time: batching is not implemented for it", engine.stage.name)
         engine.batched = False
 
 

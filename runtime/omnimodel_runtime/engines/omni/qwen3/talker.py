@@ -1,13 +1,15 @@
 """The Qwen3-Omni talker stage (:class:`Qwen3TalkerEngine`): the whole model's talker inputs from the
 thinker's rows, then ``Qwen3OmniMoeTalkerForConditionalGeneration.generate()``: each step samples a
 first-group code and the next step's code predictor draws its residual codes; one frame of
-``num_code_groups`` codes goes to code2wav per step. It starts when the thinker has finished (the whole
-model projects the assistant's text in one batch; projecting rows as they arrive rounds differently)."""
+``num_code_groups`` codes goes to code2wav per step. One request at a time it starts when the thinker has
+finished (the whole model projects the assistant's text in one batch; projecting rows as they arrive rounds
+differently); batched (``engine_args.batching``) it is :mod:`.batched_talker`'s, which starts on the first
+reply row."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,11 +42,13 @@ from omnimodel_runtime.engines.omni.qwen3.common import (
     lend_audio_config,
     load_config,
     moe_experts,
-    one_at_a_time,
 )
 from omnimodel_runtime.engines.omni.talker import warm_up_talker
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, StageInput, TensorFrame, Usage
+
+if TYPE_CHECKING:
+    from omnimodel_runtime.engines.omni.qwen3.batched_talker import BatchedTalker
 
 
 class Qwen3TalkerEngine(OmniEngine):
@@ -56,6 +60,7 @@ class Qwen3TalkerEngine(OmniEngine):
         self.config: Any = None
         self._generation: dict[str, Any] = dict(TALKER_DEFAULTS)
         self._stream_priority = -1  # ahead of code2wav on a shared GPU
+        self._batch: BatchedTalker | None = None  # batched serving
 
     def load_part(self) -> None:
         model_dir = self.context.model_dir
@@ -76,7 +81,10 @@ class Qwen3TalkerEngine(OmniEngine):
         self._generation["suppress_tokens"] = [i for i in range(vocab - SUPPRESSED_TAIL, vocab) if i != eos]
         self._generation.update(generation_overrides(model_dir, "talker", self.args))
         moe_experts(self, self.model)
-        one_at_a_time(self)
+        if self.batched:
+            from omnimodel_runtime.engines.omni.qwen3.batched_talker import BatchedTalker  # noqa: PLC0415
+
+            self._batch = BatchedTalker(self)
 
     async def warmup(self) -> None:
         c = self.config
@@ -107,10 +115,7 @@ class Qwen3TalkerEngine(OmniEngine):
             job.emit(FinalFrame("stop", Usage()))
             return
         inputs = self.inputs(prompt, replies)
-        generation = dict(self._generation)
-        cap = job.request.params.talker_max_new_tokens
-        if cap is not None:
-            generation["max_new_tokens"] = min(cap, int(generation["max_new_tokens"]))
+        generation = self.generation_for(job)
         turn = RngTurn(self.device, job.data["seed"])
         criterion = _Stop(self, job, turn, eos=int(generation["eos_token_id"]))
         model = self.model
@@ -150,6 +155,22 @@ class Qwen3TalkerEngine(OmniEngine):
             turn.end()
         prompt_len = int(inputs["inputs_embeds"].shape[1])
         job.emit(FinalFrame(criterion.reason, Usage(prompt_tokens=prompt_len, completion_tokens=criterion.count)))
+
+    def generation_for(self, job: OmniJob) -> dict[str, Any]:
+        """The generation parameters of ``job``'s talker (the request's code cap applied)."""
+        generation = dict(self._generation)
+        cap = job.request.params.talker_max_new_tokens
+        if cap is not None:
+            generation["max_new_tokens"] = min(cap, int(generation["max_new_tokens"]))
+        return generation
+
+    def advance(self, jobs: list[OmniJob]) -> tuple[list[OmniJob], bool]:
+        assert self._batch is not None
+        return self._batch.advance(jobs)
+
+    def release(self, job: OmniJob) -> None:
+        if self._batch is not None:
+            self._batch.release(job)
 
     def inputs(self, prompt: TensorFrame, replies: list[TensorFrame]) -> dict[str, torch.Tensor]:
         """The whole model's talker inputs (its ``generate()`` steps 2, batch of one) from the thinker's rows
