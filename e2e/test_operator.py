@@ -546,15 +546,15 @@ class CountingKube:
 
 async def listed(client: Any, namespace: str, name: str) -> Any:
     """What the operator's watch-fed cache holds for one OmniModel, read with LISTs instead."""
-    from omnimodel_operator.builders import CHILD_KINDS
+    from omnimodel_operator.kinds import CHILD_KINDS
     from omnimodel_operator.naming import owned_selector
-    from omnimodel_operator.reconcile import Observed
+    from omnimodel_operator.observed import Observed
 
     selector = owned_selector(name)
     objects = {}
-    for api_version, kind in CHILD_KINDS:
-        for obj in await client.list(api_version, kind, namespace, selector):
-            objects[(kind, obj["metadata"]["name"])] = obj
+    for child in CHILD_KINDS:
+        for obj in await client.list(child.api_version, child.kind, namespace, selector):
+            objects[(child.kind, obj["metadata"]["name"])] = obj
     return Observed(objects=objects, pods=await client.list("v1", "Pod", namespace, selector))
 
 

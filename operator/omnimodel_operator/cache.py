@@ -10,38 +10,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
+from omnimodel_operator.kinds import CHILD_KINDS, POD
 from omnimodel_operator.kube import Manifest
-from omnimodel_operator.reconcile import Observed
-
-# Index name (the kopf handler's function name) → kind of the objects it holds.
-CHILD_INDEXES: Final[Mapping[str, str]] = {
-    "configmaps": "ConfigMap",
-    "services": "Service",
-    "serviceaccounts": "ServiceAccount",
-    "deployments": "Deployment",
-    "horizontalpodautoscalers": "HorizontalPodAutoscaler",
-    "poddisruptionbudgets": "PodDisruptionBudget",
-    "networkpolicies": "NetworkPolicy",
-    "jobs": "Job",
-    "persistentvolumeclaims": "PersistentVolumeClaim",
-}
-# Kind → apiVersion, for objects whose watch events lack them (list items do).
-_API_VERSIONS: Final[Mapping[str, str]] = {
-    "ConfigMap": "v1",
-    "Service": "v1",
-    "ServiceAccount": "v1",
-    "Pod": "v1",
-    "Deployment": "apps/v1",
-    "HorizontalPodAutoscaler": "autoscaling/v2",
-    "PodDisruptionBudget": "policy/v1",
-    "NetworkPolicy": "networking.k8s.io/v1",
-    "Job": "batch/v1",
-    "PersistentVolumeClaim": "v1",
-}
+from omnimodel_operator.observed import Observed
 
 
 def snapshot(body: Mapping[str, Any]) -> Manifest:
@@ -76,8 +51,8 @@ class IndexCache:
         return cls(
             omnimodels=kwargs["omnimodels"],
             instances=kwargs["omnimodel_instances"],
-            children={name: kwargs[name] for name in CHILD_INDEXES},
-            pods=kwargs["pods"],
+            children={k.index: kwargs[k.index] for k in CHILD_KINDS},
+            pods=kwargs[POD.index],
         )
 
     def omnimodel(self, namespace: str, name: str) -> Manifest | None:
@@ -92,9 +67,10 @@ class IndexCache:
     def observed(self, namespace: str, name: str) -> Observed:
         key = (namespace, instance_of(name))
         objects: dict[tuple[str, str], Manifest] = {}
-        for index, kind in CHILD_INDEXES.items():
-            for obj in self.children[index].get(key, ()):
-                obj.setdefault("kind", kind)
-                obj.setdefault("apiVersion", _API_VERSIONS[kind])
-                objects[(kind, obj["metadata"]["name"])] = obj
+        for child in CHILD_KINDS:
+            for obj in self.children[child.index].get(key, ()):
+                # Watch events may lack kind and apiVersion (list items have them).
+                obj.setdefault("kind", child.kind)
+                obj.setdefault("apiVersion", child.api_version)
+                objects[(child.kind, obj["metadata"]["name"])] = obj
         return Observed(objects=objects, pods=list(self.pods.get(key, ())))

@@ -13,8 +13,9 @@ import yaml
 
 from omnimodel_operator import constants as C
 from omnimodel_operator.crdgen import render_crd_yaml
-from omnimodel_operator.resolve import InvalidSpec, resolve
+from omnimodel_operator.resolve import resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 
 
 def _documents(path: str) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 from omnimodel_operator.api.v1alpha1 import AutoscalerStatus
 from omnimodel_operator.kube import ApiError, KubeClient, Manifest
 from omnimodel_operator.metrics import InstrumentedKube, OperatorMetrics, ReadyStatus, Trigger, ready_of
-from omnimodel_operator.reconcile import Observed, Outcome, reconcile, utc_now
+from omnimodel_operator.observed import Observed
+from omnimodel_operator.reconcile import Outcome, reconcile, utc_now
 from omnimodel_operator.settings import OperatorSettings
 
 __all__ = ["Cache", "Controller", "WorkQueue"]

@@ -19,6 +19,7 @@ from omnimodel_operator import constants as C
 from omnimodel_operator.autoscaler.loop import Autoscaler
 from omnimodel_operator.cache import IndexCache, instance_of, owner_of, snapshot
 from omnimodel_operator.controller import Controller
+from omnimodel_operator.kinds import CHILD_KINDS, POD
 from omnimodel_operator.kube import LightKube, load_config
 from omnimodel_operator.login import connection_info
 from omnimodel_operator.metrics import MetricsServer, OperatorMetrics
@@ -113,59 +114,15 @@ async def omnimodel_instances(namespace: str | None, name: str, **_: Any) -> dic
     return {(namespace, instance_of(name)): name}
 
 
-def _by_instance(namespace: str | None, body: kopf.Body) -> dict[Any, Any] | None:
+async def child_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
     instance = (body["metadata"].get("labels") or {}).get(C.LABEL_INSTANCE)
     return {(namespace, instance): snapshot(body)} if instance else None
 
 
-@kopf.index("v1", "configmaps", labels=OWNED)
-async def configmaps(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("v1", "services", labels=OWNED)
-async def services(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("v1", "serviceaccounts", labels=OWNED)
-async def serviceaccounts(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("apps", "v1", "deployments", labels=OWNED)
-async def deployments(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("autoscaling", "v2", "horizontalpodautoscalers", labels=OWNED)
-async def horizontalpodautoscalers(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("policy", "v1", "poddisruptionbudgets", labels=OWNED)
-async def poddisruptionbudgets(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
-async def networkpolicies(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("batch", "v1", "jobs", labels=OWNED)
-async def jobs(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("v1", "persistentvolumeclaims", labels=OWNED)
-async def persistentvolumeclaims(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
-
-
-@kopf.index("v1", "pods", labels=OWNED)
-async def pods(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
-    return _by_instance(namespace, body)
+# One index per kind in the table (and one of pods), named after the kind's plural: the controller's cache
+# reads them by those names (IndexCache.from_kwargs).
+for _kind in (*CHILD_KINDS, POD):
+    kopf.index(_kind.api_version, _kind.plural, labels=OWNED, id=_kind.index)(child_index)
 
 
 # ------------------------------------------------------------------------------------- events
@@ -176,15 +133,9 @@ async def omnimodel_changed(memo: kopf.Memo, type: str, namespace: str | None, n
     memo.controller.on_omnimodel(namespace or "", name, type)
 
 
-@kopf.on.event("v1", "configmaps", labels=OWNED)
-@kopf.on.event("v1", "services", labels=OWNED)
-@kopf.on.event("v1", "serviceaccounts", labels=OWNED)
-@kopf.on.event("apps", "v1", "deployments", labels=OWNED)
-@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=OWNED)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
-@kopf.on.event("batch", "v1", "jobs", labels=OWNED)
-@kopf.on.event("v1", "persistentvolumeclaims", labels=OWNED)
-@kopf.on.event("v1", "pods", labels=OWNED)
 async def child_changed(memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
     memo.controller.on_child(namespace or "", owner_of(body), labels.get(C.LABEL_INSTANCE))
+
+
+for _kind in (*CHILD_KINDS, POD):
+    kopf.on.event(_kind.api_version, _kind.plural, labels=OWNED, id=f"{_kind.plural}-changed")(child_changed)

@@ -26,14 +26,15 @@ from omnimodel_operator.builders.gateway import API_KEY_SECRET_KEY
 from omnimodel_operator.builders.weights import fetches, job_name
 from omnimodel_operator.drift import drift
 from omnimodel_operator.kube import ApiError, KubeClient
-from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
+from omnimodel_operator.observed import Key, Observed
+from omnimodel_operator.resolve import Plan, resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.status import Problems, component_state, compute_status, invalid_status, status_dict
 from omnimodel_operator.vllm_omni.plan import VllmPlan
 from omnimodel_operator.vllm_omni.state import vllm_components
 from omnimodel_operator.weights import weights_state
 
-Key = tuple[str, str]  # (kind, name)
 # The label the Job controller puts on its pods (Kubernetes 1.27+; the bare job-name too).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # How soon a pass that found a named Secret missing looks again. Secrets are looked up by name rather than
@@ -45,15 +46,6 @@ SECRET_RECHECK_SECONDS = 10.0
 
 def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the watch-fed cache holds for one OmniModel: objects carrying its instance label, by
-    (kind, name), and its pods. Ownership is checked here, not by whoever built the snapshot."""
-
-    objects: Mapping[Key, Manifest] = field(default_factory=dict)
-    pods: Sequence[Manifest] = ()
 
 
 @dataclass

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import TINY_MODELS, Accelerator, OmniModelSpec, StageSpec
+from omnimodel_operator.api.v1alpha1 import TINY_MODELS, OmniModelSpec, StageSpec
 from omnimodel_operator.settings import OperatorSettings
-
-if TYPE_CHECKING:
-    from omnimodel_operator.vllm_omni.plan import VllmPlan
+from omnimodel_operator.spec import InvalidSpec, accelerator_request, parse_spec
+from omnimodel_operator.vllm_omni.plan import VllmPlan, resolve_vllm_omni
 from omnimodel_runtime.pipeline import (
     ENGINE_TASKS,
     AcceleratorRequest,
@@ -32,15 +31,6 @@ from omnimodel_runtime.pipeline import (
     get_preset,
     validation_problems,
 )
-
-
-class InvalidSpec(ValueError):
-    """The OmniModel cannot be rendered; ``field`` is the path of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -99,24 +89,6 @@ class Plan:
 
     def wakes(self, stage: str) -> bool:
         return stage in self.wake_timeouts()
-
-
-def parse_spec(spec: Mapping[str, Any]) -> OmniModelSpec:
-    """Validate a raw ``spec`` dict; errors name the first offending field (``spec.stages[0].replicas``)."""
-    try:
-        return OmniModelSpec.model_validate(spec)
-    except ValidationError as err:
-        first = err.errors()[0]
-        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-        raise InvalidSpec(path, first["msg"].removeprefix("Value error, ")) from None
-
-
-def accelerator_request(acc: Accelerator) -> AcceleratorRequest:
-    count = acc.count if acc.count is not None else (0 if acc.vendor is Vendor.CPU else 1)
-    try:
-        return AcceleratorRequest(vendor=acc.vendor, product=acc.product, count=count)
-    except ValidationError as err:
-        raise InvalidSpec("accelerator", err.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 def _overrides(stage: StageSpec, base: Stage | None) -> dict[str, Any]:
@@ -242,9 +214,6 @@ def resolve(
     """Spec → plan for the spec's runtime, or :class:`InvalidSpec`."""
     spec = raw_spec if isinstance(raw_spec, OmniModelSpec) else parse_spec(raw_spec)
     if spec.runtime.kind == "vllm-omni":
-        # Imported here: the vLLM-Omni planner builds on this module's InvalidSpec and accelerator helpers.
-        from omnimodel_operator.vllm_omni.plan import resolve_vllm_omni  # noqa: PLC0415
-
         return resolve_vllm_omni(name, namespace, spec, settings, uid=uid)
     return resolve_omnimodel(name, namespace, spec, settings, uid=uid)
 

@@ -18,7 +18,7 @@ import httpx
 from omnimodel_operator import constants as C
 from omnimodel_operator.builders.weights import COMPONENT_FETCH, PROGRESS_PORT
 from omnimodel_operator.kube import Manifest
-from omnimodel_operator.reconcile import Observed
+from omnimodel_operator.observed import Observed
 from omnimodel_operator.settings import OperatorSettings
 
 Key = tuple[str, str]

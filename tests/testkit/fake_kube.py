@@ -20,7 +20,7 @@ from typing import Any
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.kube import ApiError, Manifest
-from omnimodel_operator.reconcile import Observed
+from omnimodel_operator.observed import Observed
 
 Path = tuple[str, ...]
 

@@ -22,9 +22,11 @@ from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, Autoscaling
 from omnimodel_operator.autoscaler.decide import Decision, StageHistory, StageSignal, decide
 from omnimodel_operator.autoscaler.signals import Readings, read
 from omnimodel_operator.kube import ApiError, KubeClient, Manifest
-from omnimodel_operator.reconcile import Observed, event, utc_now
-from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
+from omnimodel_operator.observed import Observed
+from omnimodel_operator.reconcile import event, utc_now
+from omnimodel_operator.resolve import Plan, resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.vllm_omni.plan import VllmPlan
 from omnimodel_runtime.pipeline import StageKind
 

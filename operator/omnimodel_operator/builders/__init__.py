@@ -6,8 +6,6 @@ whatever they return, in order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from omnimodel_operator import constants as C
 from omnimodel_operator.builders.common import Manifest, content_hash, service_account
 from omnimodel_operator.builders.gateway import gateway_deployment, gateway_service
@@ -21,25 +19,10 @@ from omnimodel_operator.builders.stage import (
 )
 from omnimodel_operator.builders.vllm_omni import render_vllm_omni, restart_marks_of
 from omnimodel_operator.builders.weights import fetch_job, weights_claim
+from omnimodel_operator.observed import Observed
 from omnimodel_operator.resolve import Plan
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.vllm_omni.plan import VllmPlan
-
-if TYPE_CHECKING:
-    from omnimodel_operator.reconcile import Observed
-
-# Kinds the operator may create; pruning lists exactly these (and nothing it cannot own).
-CHILD_KINDS: tuple[tuple[str, str], ...] = (
-    ("v1", "ConfigMap"),
-    ("v1", "Service"),
-    ("v1", "ServiceAccount"),
-    ("apps/v1", "Deployment"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("batch/v1", "Job"),
-    ("v1", "PersistentVolumeClaim"),
-)
 
 
 def render(plan: Plan | VllmPlan, settings: OperatorSettings, observed: Observed | None = None) -> list[Manifest]:
@@ -77,4 +60,4 @@ def with_applied_hash(manifest: Manifest) -> Manifest:
     return {**manifest, "metadata": {**manifest["metadata"], "annotations": annotations}}
 
 
-__all__ = ["CHILD_KINDS", "Manifest", "render"]
+__all__ = ["Manifest", "render"]

@@ -2,7 +2,7 @@
 
 Pure, like :mod:`omnimodel_operator.resolve`: the stage graph comes from the committed catalogue (never
 from vLLM-Omni itself), the user's stage entries add placement, replicas and engine arguments, and every
-way the combination cannot work is an :class:`~omnimodel_operator.resolve.InvalidSpec` naming the field.
+way the combination cannot work is an :class:`~omnimodel_operator.spec.InvalidSpec` naming the field.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Final
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.api.v1alpha1 import SINGLE_STAGE, OmniModelSpec, StageSpec
-from omnimodel_operator.resolve import InvalidSpec, accelerator_request
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec, accelerator_request
 from omnimodel_operator.vllm_omni.catalogue import CatalogueEdge, CatalogueStage, DeployConfigEntry, load_catalogue
 from omnimodel_runtime.pipeline import (
     AcceleratorRequest,

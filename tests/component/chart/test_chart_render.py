@@ -29,8 +29,8 @@ from chartkit import (
 from omnimodel_operator import __version__
 from omnimodel_operator import constants as C
 from omnimodel_operator.accelerators import ACCELERATORS
-from omnimodel_operator.builders import CHILD_KINDS
 from omnimodel_operator.crdgen import build_crd
+from omnimodel_operator.kinds import CHILD_KINDS
 from omnimodel_operator.kube import RESOURCES
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 
@@ -114,13 +114,12 @@ def expected_namespaced_rules() -> dict[tuple[str, str], set[str]]:
         # reconcile's missing-Secret check reads a named Secret (apiKeySecret, tokenSecret) by name.
         ("", "secrets"): {"get"},
     }
-    for api_version, kind in CHILD_KINDS:
-        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-        plural, namespaced = RESOURCES[(api_version, kind)]
-        assert namespaced
+    for child in CHILD_KINDS:
+        plural, namespaced = RESOURCES[(child.api_version, child.kind)]
+        assert namespaced and plural == child.plural
         # server-side apply (patch; create for new objects), get (name conflicts), list + watch (the
         # kopf index the controller reads), delete to prune.
-        rules[(group, plural)] = {"create", "patch", "get", "list", "watch", "delete"}
+        rules[(child.group, child.plural)] = {"create", "patch", "get", "list", "watch", "delete"}
     # autoscaler.loop: replicas of autoscaled stages through the scale subresource.
     rules[("apps", "deployments/scale")] = {"patch"}
     return rules

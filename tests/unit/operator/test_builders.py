@@ -272,7 +272,7 @@ def test_pvc_model_source_is_mounted_read_only_where_the_runtime_looks() -> None
 
 
 def test_pvc_source_needs_a_valid_claim_name() -> None:
-    from omnimodel_operator.resolve import InvalidSpec
+    from omnimodel_operator.spec import InvalidSpec
 
     spec = spec_for("text", Vendor.CPU) | {"model": {"source": "pvc://Bad_Claim/x"}}
     with pytest.raises(InvalidSpec, match=r"spec\.model\.source"):

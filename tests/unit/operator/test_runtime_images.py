@@ -11,8 +11,9 @@ from omnimodel_operator import __version__
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator.accelerators import ACCELERATORS
-from omnimodel_operator.resolve import InvalidSpec, Plan, resolve
+from omnimodel_operator.resolve import Plan, resolve
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.status import OmniModelStatus, invalid_status
 from omnimodel_runtime.pipeline import Vendor
 

@@ -12,8 +12,9 @@ import pytest
 
 from omnimodel_operator.api.v1alpha1 import TINY_MODELS
 from omnimodel_operator.api.v1alpha1.rules import OPERATOR_ENGINE_ARGS, preset_engines, tiny_models_of
-from omnimodel_operator.resolve import InvalidSpec, resolve
+from omnimodel_operator.resolve import resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.vllm_omni import plan as vllm_plan
 from omnimodel_runtime.pipeline import ENGINE_TASKS, PRESETS
 from omnimodel_runtime.tiny import TINY_BUILDERS

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from omnimodel_operator.builders import render
-from omnimodel_operator.resolve import InvalidSpec, resolve
+from omnimodel_operator.resolve import resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.vllm_omni import load_catalogue
 from omnimodel_runtime.pipeline import parse_pipeline
 
