@@ -4,7 +4,15 @@ The connector sets ``ReplicateConfig().with_soft_pin = True``; ``mooncake-transf
 0.3.13.post1 (the CPU build on PyPI) has ``soft_pin_action``/``soft_pin_ttl_ms`` instead and raises
 AttributeError, so the connector never initialises. When the connector module is imported, its
 ``ReplicateConfig`` is replaced by a Python subclass that accepts the attribute (soft pinning only
-affects eviction). Installed by the platform hook (``activate``) in every vLLM-Omni process of a test-bed
+affects eviction).
+
+Second, and not a wheel mismatch but a vLLM-Omni 0.30.0 bug (GPU images have it too): the connector
+never sets ``stage_id``, which the chunk transfer adapter of ``async_chunk`` pipelines (Qwen3-Omni) reads
+on every chunk (``AttributeError: 'MooncakeStoreConnector' object has no attribute 'stage_id'``: no chunk
+crosses pods). The shared-memory connector takes it from the stage's connector config
+(``stage_id``, injected by ``get_connectors_config_for_stage``); so does this patch.
+
+Installed by the platform hook (``activate``) in every vLLM-Omni process of a test-bed
 pod; it does nothing until that module is imported. GPU images ship a Mooncake build that has the
 attribute and never load this.
 """
@@ -21,6 +29,7 @@ _TARGET = "vllm_omni.distributed.omni_connectors.connectors.mooncake_store_conne
 
 
 def _patch(module: ModuleType) -> None:
+    _patch_stage_id(module)
     base: Any = getattr(module, "ReplicateConfig", None)
     if base is None or hasattr(base(), "with_soft_pin"):
         return
@@ -29,6 +38,20 @@ def _patch(module: ModuleType) -> None:
         """Accepts ``with_soft_pin`` (ignored)."""
 
     module.ReplicateConfig = ReplicateConfig  # type: ignore[attr-defined]
+
+
+def _patch_stage_id(module: ModuleType) -> None:
+    connector: Any = getattr(module, "MooncakeStoreConnector", None)
+    if connector is None or getattr(connector, "_omnimodel_stage_id", False):
+        return
+    init = connector.__init__
+
+    def init_with_stage_id(self: Any, config: dict[str, Any]) -> None:
+        self.stage_id = config.get("stage_id", -1)
+        init(self, config)
+
+    connector.__init__ = init_with_stage_id
+    connector._omnimodel_stage_id = True
 
 
 class _Finder(importlib.abc.MetaPathFinder):
