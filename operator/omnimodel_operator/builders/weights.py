@@ -183,6 +183,7 @@ def wait_weights_container(
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

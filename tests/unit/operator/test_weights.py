@@ -74,6 +74,9 @@ def test_stage_pods_mount_the_claim_read_only_wait_for_their_files_and_stay_offl
         assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
         (init,) = pod["initContainers"]
         assert init["command"] == ["omnimodel", "wait-weights"] and init["args"][-2:] == ["--stage", stage]
+        # A wait that fails (the fetch failed, a stage file missing) says why in the pod's status, as the
+        # stage's own container does.
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
         (container,) = pod["containers"]
         mount = next(m for m in container["volumeMounts"] if m["name"] == "model-cache")
         assert mount == {"name": "model-cache", "mountPath": "/models", "readOnly": True}
