@@ -21,6 +21,7 @@ own and an utterance is as long as the talker's ``max_tokens`` — tests must ca
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -70,30 +71,37 @@ HEAD_DIM: Final = 32  # vLLM's CPU attention supports 32 and up
 N_MELS: Final = 16  # tiny audio encoder; the feature extractor must agree
 
 
-def build_tokenizer_at_released_ids(seed: int) -> tuple[PreTrainedTokenizerFast, int]:
-    """The text preset's byte-level BPE, re-laid so its special tokens sit at the released ids.
+def tokenizer_at_ids(
+    seed: int,
+    special_ids: Mapping[str, int],
+    named_tokens: Mapping[str, str],
+    chat_template: str,
+    pinned: Mapping[str, int] | None = None,
+) -> tuple[PreTrainedTokenizerFast, list[int]]:
+    """The text preset's byte-level BPE, re-laid so its special tokens sit at ``special_ids`` and the
+    trained text tokens named in ``pinned`` at theirs (each swaps places with the entry there).
 
-    Returns the tokenizer and the number of trained (text) tokens, which keep ids ``0..n-1``. Ids from
-    there to the first special token are unreachable padding entries (no merge produces them), so the
-    vocabulary is dense as vLLM expects and every id below 151665 decodes."""
+    Returns the tokenizer and the ids of its trained (text) tokens: ``0..n-1`` but for pinned swaps. The
+    other ids below the first special token are unreachable padding entries (no merge produces them), so
+    the vocabulary is dense as vLLM expects and every id below the specials decodes. ``named_tokens`` are
+    the tokenizer attributes the Omni processors read their placeholders from."""
     trained = build_tokenizer(seed)
     state = json.loads(trained.backend_tokenizer.to_str())
-    specials = set(SPECIAL_IDS)
-    text_vocab = {tok: i for tok, i in state["model"]["vocab"].items() if tok not in specials}
     # Re-number densely: the trainer put the specials first.
-    order = sorted(text_vocab, key=text_vocab.__getitem__)
-    vocab = {tok: i for i, tok in enumerate(order)}
-    n_text = len(vocab)
-    first_special = min(SPECIAL_IDS.values())
-    vocab.update({f"<|pad_{i}|>": i for i in range(n_text, first_special)})
+    order = sorted((tok for tok in state["model"]["vocab"] if tok not in special_ids), key=state["model"]["vocab"].get)
+    n_text = len(order)
+    order += [f"<|pad_{i}|>" for i in range(n_text, min(special_ids.values()))]
+    for name, want in (pinned or {}).items():
+        have = order.index(name)
+        order[have], order[want] = order[want], order[have]
     merges: list[tuple[str, str]] = []
     for merge in state["model"]["merges"]:
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         merges.append((left, right))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(order)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    for name, want in sorted(SPECIAL_IDS.items(), key=lambda kv: kv[1]):
+    for name, want in sorted(special_ids.items(), key=lambda kv: kv[1]):
         tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
         got = tok.token_to_id(name)
         if got != want:
@@ -106,11 +114,17 @@ def build_tokenizer_at_released_ids(seed: int) -> tuple[PreTrainedTokenizerFast,
         model_max_length=32768,
         padding_side="left",
         clean_up_tokenization_spaces=False,
-        # Qwen2_5OmniProcessor reads its placeholders from these tokenizer attributes.
-        extra_special_tokens=NAMED_TOKENS,
+        extra_special_tokens=dict(named_tokens),
     )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped, n_text
+    wrapped.chat_template = chat_template
+    return wrapped, [i for i, t in enumerate(order) if not t.startswith("<|pad_")]
+
+
+def build_tokenizer_at_released_ids(seed: int) -> tuple[PreTrainedTokenizerFast, int]:
+    """Qwen2.5-Omni's special tokens at their released ids (:func:`tokenizer_at_ids`); the tokenizer and
+    the number of trained (text) tokens, which keep ids ``0..n-1``."""
+    tokenizer, text_ids = tokenizer_at_ids(seed, SPECIAL_IDS, NAMED_TOKENS, CHAT_TEMPLATE)
+    return tokenizer, len(text_ids)
 
 
 def _config() -> Qwen2_5OmniConfig:

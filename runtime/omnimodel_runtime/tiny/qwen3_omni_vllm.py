@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Final
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 from transformers.utils import logging as hf_logging
 
 from omnimodel_runtime.tiny.omni import TARGET_RMS, preprocessor_config
-from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, IM_START, _silence_unprintable, build_tokenizer
+from omnimodel_runtime.tiny.omni_vllm_omni import tokenizer_at_ids
+from omnimodel_runtime.tiny.text import ENDOFTEXT, IM_END, IM_START, _silence_unprintable
 
 PRESET: Final = "qwen3-omni-vllm-omni"
 
@@ -125,48 +125,13 @@ IMAGE_SIZE, PATCH_SIZE = 128, 16
 
 
 def build_tokenizer_at_released_ids(seed: int) -> tuple[PreTrainedTokenizerFast, list[int]]:
-    """The text preset's byte-level BPE re-laid so its special tokens and role words sit at the released
-    ids. Returns the tokenizer and the ids of its trained (text) tokens: ``0..n-1`` but where a role word
-    swapped places with the entry at its released id. The other ids below the first special token are
-    unreachable padding entries (no merge produces them), so the vocabulary is dense as vLLM expects."""
-    trained = build_tokenizer(seed)
-    state = json.loads(trained.backend_tokenizer.to_str())
-    text = sorted(
-        (tok for tok in state["model"]["vocab"] if tok not in SPECIAL_IDS),
-        key=state["model"]["vocab"].__getitem__,
-    )
-    n_text = len(text)
-    order = text + [f"<|pad_{i}|>" for i in range(n_text, min(SPECIAL_IDS.values()))]
+    """Qwen3-Omni's special tokens and role words at their released ids; the tokenizer and the ids of
+    its trained (text) tokens (:func:`~omnimodel_runtime.tiny.omni_vllm_omni.tokenizer_at_ids`)."""
+    tokenizer, text_ids = tokenizer_at_ids(seed, SPECIAL_IDS, NAMED_TOKENS, CHAT_TEMPLATE, pinned=ROLE_IDS)
     for role, want in ROLE_IDS.items():
-        have = order.index(role)
-        order[have], order[want] = order[want], order[have]
-    vocab = {tok: i for i, tok in enumerate(order)}
-    merges: list[tuple[str, str]] = []
-    for merge in state["model"]["merges"]:
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        merges.append((left, right))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    for name, want in sorted(SPECIAL_IDS.items(), key=lambda kv: kv[1]):
-        tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
-        if tok.token_to_id(name) != want:
-            raise RuntimeError(f"special token {name} landed at id {tok.token_to_id(name)}, not {want}")
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        unk_token=None,
-        model_max_length=32768,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        extra_special_tokens=NAMED_TOKENS,
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    for role, want in ROLE_IDS.items():
-        if wrapped.encode(role, add_special_tokens=False) != [want]:
+        if tokenizer.encode(role, add_special_tokens=False) != [want]:
             raise RuntimeError(f"{role!r} does not encode to the single token {want}")
-    return wrapped, [i for i, tok in enumerate(order) if not tok.startswith("<|pad_")]
+    return tokenizer, text_ids
 
 
 def _config() -> Qwen3OmniMoeConfig:
