@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from omnimodel_runtime.engines.t2i import families as families_module
 from omnimodel_runtime.engines.t2i import fused as fused_blocks_module
+from omnimodel_runtime.engines.t2i import qwen_image as qwen_image_module
 from omnimodel_runtime.engines.t2i.diffusers import DiffusersImageEngine
 from omnimodel_runtime.engines.t2i.families import family_for
 from omnimodel_runtime.engines.t2i.fused import ModulationSchedule, unfuse_blocks
@@ -53,7 +53,9 @@ from omnimodel_runtime.engines.t2i.vae import undo_vae_2d, vae_2d
 PROMPT = "A red fox in a snowy forest at dawn, photograph"
 NEGATIVE = " "
 OTHER_PROMPT = "An old lighthouse on a rocky coast under a stormy sky, oil painting, wide angle"
-DEVICE_UINT8 = families_module._to_uint8
+# Qwen-Image's family rounds its images with to_uint8, imported by name into its module: the hostround
+# variant swaps that module's reference.
+DEVICE_UINT8 = vars(qwen_image_module)["to_uint8"]
 
 
 def host_uint8(pipe: Any, image: torch.Tensor) -> np.ndarray:
@@ -165,7 +167,7 @@ def main() -> None:
         cfg_batch = "cfgbatch" in variant
         # The engine's vae_2d, on or off for this call (its twin shares the pipeline).
         (vae_2d if "vae2d" in variant else undo_vae_2d)(pipe.vae)
-        families_module._to_uint8 = host_uint8 if "hostround" in variant else DEVICE_UINT8
+        vars(qwen_image_module)["to_uint8"] = host_uint8 if "hostround" in variant else DEVICE_UINT8
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
