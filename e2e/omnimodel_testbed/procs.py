@@ -10,7 +10,9 @@ path; ``stop`` refuses to signal a PID whose identity no longer matches.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 __all__ = [
     "ProcessRecord",
     "ReadinessTimeoutError",
+    "apoll",
     "free_port",
     "free_ports",
     "is_alive",
@@ -303,3 +306,26 @@ def poll(
         if time.monotonic() > deadline:
             raise error(f"timed out after {timeout:.0f}s waiting for {what}; last value: {value!r}")
         time.sleep(interval)
+
+
+async def apoll(
+    predicate: Callable[[], Any],
+    *,
+    # The same keywords as poll(): the deadline also names what never came, which asyncio.timeout cannot.
+    timeout: float,  # noqa: ASYNC109
+    what: str,
+    interval: float = 0.01,
+) -> Any:
+    """:func:`poll` for a test running on an event loop: ``predicate`` (plain or a coroutine function) is
+    checked every ``interval`` s while the loop runs the code under test; after ``timeout`` s an
+    AssertionError names ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {value!r}")
+        await asyncio.sleep(interval)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import omnimodel_testbed
+from omnimodel_testbed.procs import poll
 
 # This checkout's test bed, whatever the working directory of the wrapper.
 E2E = str(Path(omnimodel_testbed.__file__).resolve().parents[1])
@@ -27,13 +28,6 @@ sys.exit(run_passing_signals(child, os.environ, {signal.SIGINT: None, signal.SIG
 """
 
 
-def wait_for(path: Path, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("started_as", ["foreground", "background-job"])
 def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tmp_path: Path, started_as: str) -> None:
     """Also when the wrapper starts with SIGINT ignored, as a non-interactive shell starts its ``&`` jobs
@@ -45,7 +39,7 @@ def test_sigterm_becomes_the_childs_ctrl_c_and_the_child_finishes_its_cleanup(tm
     # Its own session: whatever happens, the wrapper and its child are stopped together (by process group).
     parent = subprocess.Popen(argv, cwd=tmp_path, env=env, start_new_session=True)
     try:
-        wait_for(tmp_path / "ready")
+        poll((tmp_path / "ready").exists, timeout=20, what="the child ready", interval=0.05)
         # A SIGINT for the parent alone is not passed on: at a terminal the child gets its own.
         parent.send_signal(signal.SIGINT)
         time.sleep(0.5)

@@ -50,6 +50,7 @@ from omnimodel_runtime.protocol.stage import (
     TensorFrame,
 )
 from omnimodel_runtime.settings import RuntimeSettings
+from omnimodel_testbed.procs import apoll
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -248,10 +249,10 @@ async def test_a_request_that_goes_away_leaves_the_others_of_its_batch_intact(sp
     tasks = [asyncio.create_task(generate(split, p, seed=200 + i)) for i, p in enumerate(PROMPTS[:3])]
     denoise = split.engines["denoise"]
     # Every chain has started (its denoise request is announced or queued) before one of them leaves.
-    deadline = time.monotonic() + 30
-    while denoise.announced + denoise.queue_depth() < 3 and not any(t.done() for t in tasks):
-        assert time.monotonic() < deadline, "the three requests never reached the denoise stage"
-        await asyncio.sleep(0.005)
+    await apoll(
+        lambda: denoise.announced + denoise.queue_depth() >= 3 or any(t.done() for t in tasks),
+        timeout=30, what="the three requests at the denoise stage", interval=0.005,
+    )  # fmt: skip
     tasks[1].cancel()
     first, second, third = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(second, asyncio.CancelledError)

@@ -12,9 +12,7 @@ stage abandons it; the other jobs take a fraction of a second.
 
 from __future__ import annotations
 
-import asyncio
 import io
-import time
 from pathlib import Path
 
 import av
@@ -24,6 +22,7 @@ from openai.types import Video
 from runtime_procs import RuntimeProcess, free_port, openai_client, running, runtime_env, served_in_process
 
 from omnimodel_runtime.serve import serve_pipeline
+from omnimodel_testbed.procs import apoll, poll
 
 pytestmark = [
     pytest.mark.engine,
@@ -39,13 +38,12 @@ BUDGET = 5.0
 
 def finished(client: openai.OpenAI, video_id: str, timeout: float = 60.0) -> Video:
     """Poll the job until it is completed or failed (failing the test after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> Video | None:
         video = client.videos.retrieve(video_id)
-        if video.status in ("completed", "failed"):
-            return video
-        assert time.monotonic() < deadline, f"video {video_id} still {video.status} after {timeout:.0f} s"
-        time.sleep(0.05)
+        return video if video.status in ("completed", "failed") else None
+
+    return poll(ended, timeout=timeout, what=f"video {video_id} completed or failed", interval=0.05)
 
 
 def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, tiny_t2v: Path) -> None:
@@ -120,10 +118,12 @@ async def test_a_video_of_the_default_size_is_made(model_cache: Path, tiny_t2v: 
             model=MODEL, prompt="a paper boat", extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 1}
         )
         assert created.size == "832x480"
-        deadline = time.monotonic() + 120
-        while (done := await client.videos.retrieve(created.id)).status not in ("completed", "failed"):
-            assert time.monotonic() < deadline, f"still {done.status}"
-            await asyncio.sleep(0.1)
+
+        async def ended() -> Video | None:
+            video = await client.videos.retrieve(created.id)
+            return video if video.status in ("completed", "failed") else None
+
+        done = await apoll(ended, timeout=120, what=f"video {created.id} completed or failed", interval=0.1)
         assert (done.status, done.error) == ("completed", None)
         mp4 = (await client.videos.download_content(created.id)).content
     with av.open(io.BytesIO(mp4)) as container:

@@ -8,7 +8,7 @@ import json
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
@@ -50,6 +50,7 @@ from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.remote import RemoteStage
 from omnimodel_runtime.stage.server import build_stage_app
+from omnimodel_testbed.procs import apoll
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -115,13 +116,6 @@ class Cluster:
             yield await stack.enter_async_context(asgi_client(self.gateway))
 
 
-async def _until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_chat_through_a_remote_stage_matches_the_in_process_answer() -> None:
     cluster = Cluster(("http://stage-a:8001",))
     async with cluster.running() as http:
@@ -156,11 +150,13 @@ async def test_requests_go_to_the_endpoint_with_fewest_in_flight() -> None:
     async with cluster.running() as http:
         held = {"model": "text", "messages": [{"role": "user", "content": "HOLD"}], "max_tokens": 2}
         first = asyncio.create_task(http.post("/v1/chat/completions", json=held))
-        await _until(lambda: any(e.requests for e in cluster.engines.values()))
+        await apoll(
+            lambda: any(e.requests for e in cluster.engines.values()), timeout=5, what="a stage took the request"
+        )
         busy = next(url for url, e in cluster.engines.items() if e.requests)
         idle = b if busy == a else a
         second = asyncio.create_task(http.post("/v1/chat/completions", json=held))
-        await _until(lambda: bool(cluster.engines[idle].requests))
+        await apoll(lambda: bool(cluster.engines[idle].requests), timeout=5, what="the idle stage took one")
         assert len(cluster.engines[busy].requests) == 1
         for engine in cluster.engines.values():
             engine.release.set()
@@ -395,7 +391,7 @@ async def test_a_request_for_a_stage_at_zero_is_held_until_a_replica_answers() -
             http.post("/v1/chat/completions", json={"model": "text", "messages": USER, "max_tokens": 2})
         )
         held = lambda: cluster.remote.describe()["held"] == 1  # noqa: E731
-        await _until(held)
+        await apoll(held, timeout=5, what="the request is held")
         page = (await http.get("/metrics")).text
         assert _sample(page, "omnimodel_gateway_stage_waiting") == 1
         assert _sample(page, "omnimodel_gateway_stage_in_flight") == 0

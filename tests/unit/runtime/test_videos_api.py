@@ -9,8 +9,7 @@ fails after being accepted; jobs wait on ``gate`` so tests can look at them queu
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -30,6 +29,7 @@ from omnimodel_runtime.protocol.videos import VIDEO_TENSOR, TextToVideoParams
 from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage
+from omnimodel_testbed.procs import apoll
 
 # openai 2.x warns that OpenAI's own (Sora) video service shuts down; the client's videos resource is still
 # the shape vLLM-Omni and this server answer.
@@ -107,14 +107,6 @@ def client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
     return openai_client(http)
 
 
-async def until(check: Callable[[], Awaitable[bool]]) -> None:
-    """Poll ``check`` until it holds, failing after :data:`DEADLINE` seconds."""
-    deadline = time.monotonic() + DEADLINE
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
-
-
 async def status(client: openai.AsyncOpenAI, video_id: str, wanted: str) -> bool:
     return (await client.videos.retrieve(video_id)).status == wanted
 
@@ -138,12 +130,12 @@ async def test_create_poll_download_list_delete(client: openai.AsyncOpenAI, serv
     assert inp.request.params.video == TextToVideoParams(
         width=64, height=32, num_frames=9, fps=8, num_inference_steps=3, seed=5, negative_prompt="blur"
     )
-    await until(lambda: status(client, video.id, "in_progress"))
+    await apoll(lambda: status(client, video.id, "in_progress"), timeout=DEADLINE, what="in_progress")
     with pytest.raises(openai.ConflictError) as err:
         await client.videos.download_content(video.id)
     assert err.value.code == "video_not_ready"
     serve.engine.gate.set()
-    await until(lambda: status(client, video.id, "completed"))
+    await apoll(lambda: status(client, video.id, "completed"), timeout=DEADLINE, what="completed")
     done = await client.videos.retrieve(video.id)
     assert done.progress == 100 and done.completed_at is not None and done.error is None
     content = await client.videos.download_content(video.id)
@@ -237,8 +229,8 @@ async def test_a_failed_job_is_failed_with_its_error_and_others_complete(
     bad = await client.videos.create(model=MODEL, prompt="fail", extra_body={"num_frames": 5})
     good = await client.videos.create(model=MODEL, prompt="ok", extra_body={"num_frames": 5})
     serve.engine.gate.set()
-    await until(lambda: status(client, bad.id, "failed"))
-    await until(lambda: status(client, good.id, "completed"))
+    await apoll(lambda: status(client, bad.id, "failed"), timeout=DEADLINE, what="the bad job failed")
+    await apoll(lambda: status(client, good.id, "completed"), timeout=DEADLINE, what="the good job completed")
     failed = await client.videos.retrieve(bad.id)
     assert failed.error is not None
     assert failed.error.code == "500" and "out of memory" in failed.error.message
@@ -249,7 +241,7 @@ async def test_a_failed_job_is_failed_with_its_error_and_others_complete(
 
 async def test_deleting_a_running_job_cancels_it(client: openai.AsyncOpenAI, serve: VideoServe) -> None:
     video = await client.videos.create(model=MODEL, prompt="long", extra_body={"num_frames": 5})
-    await until(lambda: status(client, video.id, "in_progress"))
+    await apoll(lambda: status(client, video.id, "in_progress"), timeout=DEADLINE, what="in_progress")
     assert serve.engine.closed == []
     await client.videos.delete(video.id)
     assert serve.engine.closed == [video.id]  # the stage's stream was closed: its work stops
@@ -268,7 +260,7 @@ async def test_the_job_store_is_bounded(http: httpx.AsyncClient, serve: VideoSer
         data = (await http.get("/v1/videos")).json()["data"]
         return all(v["status"] == "completed" for v in data)
 
-    await until(finished)
+    await apoll(finished, timeout=DEADLINE, what="finished")
     third = await http.post("/v1/videos", json={"prompt": "c", "num_frames": 5})
     assert third.status_code == 200
     ids = [v["id"] for v in (await http.get("/v1/videos", params={"order": "asc"})).json()["data"]]
