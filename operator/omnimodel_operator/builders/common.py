@@ -217,6 +217,39 @@ def http_probes(port_name: str, *, startup_seconds: int) -> dict[str, Any]:
     }
 
 
+def runtime_container(
+    name: str,
+    command: str,
+    port: int,
+    *,
+    image: str,
+    pull_policy: str,
+    args: Sequence[str] = (),
+    env: list[dict[str, Any]],
+    resources: dict[str, Any],
+    mounts: list[dict[str, Any]],
+    startup_seconds: int,
+) -> dict[str, Any]:
+    """What every long-running container of our runtime shares (a stage's, the gateway's): ``omnimodel
+    <command>`` on the mounted pipeline file, on every address of the pod at ``port`` (kube-proxy and
+    the probes reach the pod IP), hardened, probed on that port, its crash log as its termination message."""
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["omnimodel", command],
+        "args": ["--pipeline", C.PIPELINE_PATH, *args, "--host", "0.0.0.0", "--port", str(port)],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+        # A crash's last log lines become its termination message, which status quotes (the exception).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        **http_probes("http", startup_seconds=startup_seconds),
+    }
+
+
 def pipeline_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     volume = {
         "name": "pipeline",

@@ -10,15 +10,14 @@ from omnimodel_operator import naming
 from omnimodel_operator.accelerators import accelerator_for
 from omnimodel_operator.builders.common import (
     Manifest,
-    container_security_context,
     content_hash,
-    http_probes,
     merge_env,
     metadata,
     pipeline_volume,
     pod_identity,
     pod_security_context,
     resources_dict,
+    runtime_container,
     runtime_env,
     scratch_volumes,
     tolerations_list,
@@ -49,28 +48,17 @@ def gateway_deployment(plan: Plan, settings: OperatorSettings) -> Manifest:
                 "valueFrom": {"secretKeyRef": {"name": gw.api_key_secret, "key": API_KEY_SECRET_KEY}},
             }
         )
-    container: dict[str, Any] = {
-        "name": "gateway",
-        "image": plan.gateway_image,
-        "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
-        "command": ["omnimodel", "gateway"],
-        "args": [
-            "--pipeline",
-            C.PIPELINE_PATH,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(C.GATEWAY_PORT),
-        ],
-        "ports": [{"name": "http", "containerPort": C.GATEWAY_PORT, "protocol": "TCP"}],
-        "env": env,
-        "resources": resources_dict(gw.resources, settings.gateway_requests, settings.limit_ratios),
-        "volumeMounts": [pipeline_mount, *scratch_mounts],
-        "securityContext": container_security_context(),
-        # A crash's last log lines become its termination message, which status quotes (the exception).
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        **http_probes("http", startup_seconds=GATEWAY_STARTUP_SECONDS),
-    }
+    container = runtime_container(
+        "gateway",
+        "gateway",
+        C.GATEWAY_PORT,
+        image=plan.gateway_image,
+        pull_policy=plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
+        env=env,
+        resources=resources_dict(gw.resources, settings.gateway_requests, settings.limit_ratios),
+        mounts=[pipeline_mount, *scratch_mounts],
+        startup_seconds=GATEWAY_STARTUP_SECONDS,
+    )
     pod_spec: dict[str, Any] = {
         **pod_identity(plan),
         "securityContext": pod_security_context(),

@@ -9,11 +9,9 @@ from omnimodel_operator import naming
 from omnimodel_operator.accelerators import accelerator_for
 from omnimodel_operator.builders.common import (
     Manifest,
-    container_security_context,
     content_hash,
     dedupe,
     env_list,
-    http_probes,
     merge_env,
     metadata,
     model_cache_volume,
@@ -22,6 +20,7 @@ from omnimodel_operator.builders.common import (
     pod_identity,
     pod_security_context,
     resources_dict,
+    runtime_container,
     runtime_env,
     scratch_volumes,
     stage_requests,
@@ -70,35 +69,23 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
     source = model_source_volume(plan)
     source_vols, source_mounts = ([source[0]], [source[1]]) if source else ([], [])
 
-    container: dict[str, Any] = {
-        "name": "stage",
-        "image": sp.image,
-        "imagePullPolicy": plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
-        "command": ["omnimodel", "stage"],
-        "args": [
-            "--pipeline",
-            C.PIPELINE_PATH,
-            "--stage",
-            stage.name,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(C.STAGE_PORT),
-        ],
-        "ports": [{"name": "http", "containerPort": C.STAGE_PORT, "protocol": "TCP"}],
-        "env": merge_env(
+    container = runtime_container(
+        "stage",
+        "stage",
+        C.STAGE_PORT,
+        image=sp.image,
+        pull_policy=plan.spec.runtime.image_pull_policy or settings.image_pull_policy,
+        args=["--stage", stage.name],
+        env=merge_env(
             runtime_env(plan),
             offline,
             [{"name": k, "value": v} for k, v in acc.env().items()],
             env_list(user.env if user else None),
         ),
-        "resources": stage_resources(own, stage.accelerator, settings),
-        "volumeMounts": [pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
-        "securityContext": container_security_context(),
-        # A crash's last log lines become its termination message, which status quotes (the exception).
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        **http_probes("http", startup_seconds=STAGE_STARTUP_SECONDS),
-    }
+        resources=stage_resources(own, stage.accelerator, settings),
+        mounts=[pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
+        startup_seconds=STAGE_STARTUP_SECONDS,
+    )
     pod_spec: dict[str, Any] = {
         **pod_identity(plan),
         "securityContext": pod_security_context(),
