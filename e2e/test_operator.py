@@ -195,6 +195,7 @@ def test_removed_stage_children_are_deleted(kube: Kube) -> None:
 
 def test_deleting_the_omnimodel_garbage_collects_everything(kube: Kube, tmp_path: Path) -> None:
     doc = example("text-to-image.yaml")
+    provide_secrets(kube, doc)
     kube.apply(doc)
     provide_cache(kube, doc, tmp_path)
     kube.wait_ready("qwen-image")
