@@ -94,12 +94,21 @@ test-newest: ## The omni, TTS, text-to-image and text engines' tests on the newe
 	@py="$$(BASE_PY=$(PY) ./.ci/newest-venv)" && "$$py" -m pytest -m "not vllm and not vllm_omni" $(NEWEST_TESTS) $(PYTEST_ARGS)
 
 .PHONY: test
-test: lint cluster-build chart-lint images ## Everything CI runs: lint, unit, component and e2e tests
+test: lint cluster-build chart-lint images vllm-omni-env hfmirror-env ## Everything CI runs: lint, unit, component and e2e tests
+	$(MAKE) --no-print-directory -j2 --output-sync=line test-suites test-pods
+	$(MAKE) --no-print-directory vllm-omni-catalogue-check
+
+# test's two lanes, run side by side: each is long (about 25 min on 2 cores) and much of either is waiting
+# on processes, so together they take far less than one after the other. They share nothing but the
+# caches, which lock (tiny models) or are only read (images, environments); each has its own cluster.
+.PHONY: test-suites test-pods
+test-suites: ## Lane 1 of test: unit, component and e2e tests on the local control plane
 	$(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
+
+test-pods: ## Lane 2 of test: the engines on the newest libraries, pods from their images, the demo
 	$(MAKE) --no-print-directory test-newest
 	$(MAKE) --no-print-directory e2e-serving
 	$(MAKE) --no-print-directory e2e-demo
-	$(MAKE) --no-print-directory vllm-omni-catalogue-check
 
 .PHONY: hfmirror-env
 hfmirror-env: ## Build (or reuse) the cached environment of the test bed's Hugging Face mirror (olah); prints its path
