@@ -2,16 +2,18 @@
 of the cached vLLM-Omni CPU environment on its pod IP, with its own /dev/shm, so a same-host
 shared-memory shortcut cannot pass. Requests go through the API Service with the official openai client.
 
-Timings on 2 cores (tiny models, CPU): the image graph is up in about a minute, the three-pod
-Qwen2.5-Omni graph in about two; a lost replica is recovered (head and replicas restarted together by
-the operator) within RECOVERY_BOUND; a stalled talker is detached about 30 s after it stops, and a new
-head serves audio again about two minutes after it starts.
+Timings on 2 cores (tiny models, CPU): the image graph is up in about a minute and a half, the
+three-pod Qwen2.5-Omni graph in about two; a new replica pod registers with the head one to two minutes
+after it is created; a stalled replica is detached about 30 s after it stops, and a new head serves audio
+again about two minutes after it starts.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import itertools
+import json
 import os
 import re
 import signal
@@ -33,9 +35,6 @@ pytestmark = pytest.mark.vllm_omni
 
 MODELS = Path.home() / ".cache" / "omnimodel" / "models"
 CPU_ARGS = ["--dtype", "float32"]
-# How long the graph may take to serve again after a replica pod is killed: the operator restarts the
-# head (vLLM-Omni 0.30.0's head can wedge when a replica dies) and then every replica, which reload.
-RECOVERY_BOUND = 300.0
 ADD_REQUEST = re.compile(r"\[StageDiffusionClient\] stage-0 \[rep-(\d+)\] add request")
 
 
@@ -79,79 +78,6 @@ def spoken_wav(client: openai.OpenAI, model: str) -> tuple[int, int, int]:
 def png(client: openai.OpenAI, model: str, prompt: str) -> bytes:
     image = client.images.generate(model=model, prompt=prompt, size="64x64", response_format="b64_json")
     return base64.b64decode(image.data[0].b64_json or "") if image.data else b""
-
-
-def test_an_image_stage_with_two_replicas_serves_from_both_and_recovers_a_lost_replica(
-    kube: Kube, pods: PodRunner
-) -> None:
-    model_dir = ensure_tiny("text-to-image", MODELS)
-    kube.apply(
-        omnimodel(
-            "qimg",
-            {
-                "model": {"source": f"file:///models/tiny/{model_dir.name}", "servedName": "qwen-image"},
-                # Round-robin (vLLM-Omni's default picks at random), so four requests split two and two.
-                "runtime": {"kind": "vllm-omni", "extraArgs": [*CPU_ARGS, "--omni-lb-policy", "round-robin"]},
-                "stages": [{"name": "dit", "replicas": 2, "accelerator": {"vendor": "cpu"}}],
-            },
-        )
-    )
-    kube.wait_ready("qimg")  # the Deployments; the processes themselves answer below
-    base = f"http://qimg-gateway.{kube.ns}.svc:8000"
-    wait_for(lambda: healthy(base), 300, interval=1, what="the head's /health through the API Service")
-    (head,) = heads(pods)
-    (replica,) = pods.processes("qimg-dit-replicas-")
-    wait_for(lambda: "replica attached stage=0 replica=1" in log_text(head), 120, what="the replica attached")
-
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-    assert [m.id for m in client.models.list().data] == ["qwen-image"]
-    for i in range(4):
-        assert png(client, "qwen-image", f"a cube {i}").startswith(b"\x89PNG\r\n\x1a\n")
-    served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(head)))
-    # Both the head's own replica and the replica pod's serve. Not an exact two and two: vLLM-Omni 0.30's
-    # round-robin counts from where its cursor stands (a CI run saw three and one).
-    assert len(served) == 4 and set(served) == {0, 1}, served
-
-    # Kill the replica pod under steady traffic: no request hangs, and the graph serves again (the
-    # operator restarts the head, then the replicas, which register with it) within the bound.
-    results: list[tuple[float, float, bool]] = []  # (started, seconds, ok)
-    stop = threading.Event()
-
-    def traffic() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                ok = png(client, "qwen-image", "under traffic").startswith(b"\x89PNG")
-            except openai.APIError:
-                ok = False
-            results.append((started, time.monotonic() - started, ok))
-            if not ok:
-                stop.wait(1)
-
-    thread = threading.Thread(target=traffic, daemon=True)
-    thread.start()
-    wait_for(lambda: len(results) >= 3, 30, what="traffic flowing")
-    kube.run("delete", "pod", replica.name, "--wait=false")
-    killed = time.monotonic()
-
-    def recovered() -> PodProcess | None:
-        new = [p for p in heads(pods) if p.uid != head.uid]
-        if not new or "replica attached stage=0 replica=1" not in log_text(new[0]):
-            return None
-        return new[0] if any(start > killed and ok for start, _, ok in results[-3:]) else None
-
-    new_head: PodProcess = wait_for(recovered, RECOVERY_BOUND, interval=2, what="a new head with a replica, serving")
-    recovery = time.monotonic() - killed
-    stop.set()
-    thread.join(timeout=90)
-    assert not thread.is_alive(), "a request hung"
-    assert max(seconds for _, seconds, _ in results) < 60, "a request ran into the client timeout"
-    failed = sum(1 for start, _, ok in results if start > killed and not ok)
-    for i in range(4):
-        assert png(client, "qwen-image", f"after {i}").startswith(b"\x89PNG\r\n\x1a\n")
-    served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(new_head)))
-    assert {0, 1} <= set(served), served  # both replicas serve again
-    print(f"replica killed: serving again after {recovery:.0f}s; {failed} request(s) failed meanwhile, none hung")
 
 
 # Its own waits allow 420 s for the three engines to register, twice (118 s measured alone; more under
@@ -234,3 +160,193 @@ def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio_and_out
     assert (channels, rate) == (1, 24000) and frames > 0
     served = time.monotonic() - restarted
     print(f"talker stalled: detached after {detached:.0f}s; a new head served audio {served:.0f}s after")
+
+
+class Traffic:
+    """One client sending images without pause; each result is (started, finished, ok, error)."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.results: list[tuple[float, float, bool, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, model), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: openai.OpenAI, model: str) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                ok, error = png(client, model, "under traffic").startswith(b"\x89PNG"), ""
+            except openai.APIError as err:
+                ok, error = False, repr(err)
+            self.results.append((started, time.monotonic(), ok, error))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=90)
+        assert not self._thread.is_alive(), "a request hung"
+
+    def ended_since(self, t: float) -> list[tuple[float, float, bool, str]]:
+        """Requests that ended at or after ``t`` (one started before and failing after counts)."""
+        return [r for r in self.results if r[1] >= t]
+
+    def longest_gap(self, t: float, until: float | None = None) -> float:
+        """The longest stretch of [t, until] (until: now) without a successful answer arriving: from ``t``
+        to the first success, between successive ones, and from the last one to ``until``."""
+        until = time.monotonic() if until is None else until
+        done = sorted(end for _, end, ok, _ in self.results if ok and t <= end <= until)
+        return max(b - a for a, b in itertools.pairwise([t, *done, until]))
+
+    def describe(self, t: float) -> str:
+        """What happened after ``t``, for a failure message: (start, end, ok) relative to ``t``."""
+        return ", ".join(f"({a - t:+.1f}, {b - t:+.1f}, {ok})" for a, b, ok, _ in self.results if b >= t)
+
+
+def set_replicas(kube: Kube, name: str, stage: str, replicas: int) -> None:
+    spec = kube.get("omnimodel", name)["spec"]
+    for s in spec["stages"]:
+        if s["name"] == stage:
+            s["replicas"] = replicas
+    kube.run("patch", "omnimodel", name, "--type", "merge", "-p", json.dumps({"spec": {"stages": spec["stages"]}}))
+
+
+def members(kube: Kube, deployment: str, stage: str, which: str = "registered") -> list[str]:
+    """Pod IPs the operator recorded on the head Deployment: ``registered`` or ``lost`` (detached, running)."""
+    annotations = (kube.get("deployment", deployment) or {}).get("metadata", {}).get("annotations") or {}
+    recorded = json.loads(annotations.get("omnimodel.io/registered-replicas") or "{}")
+    return sorted(recorded.get(stage, {}).get(which, []))
+
+
+def registered(kube: Kube, deployment: str, stage: str) -> list[str]:
+    return members(kube, deployment, stage)
+
+
+def every_replica_registered(kube: Kube, pods: PodRunner, n: int) -> bool:
+    """``n`` replica pods run, and the operator recorded each one's IP as registered. The head's own replica
+    registers too (from the head's IP), so the head's IP is recorded beside them."""
+    running = pods.processes("qimg-dit-replicas-")
+    others = set(registered(kube, "qimg-dit", "dit")) - {h.ip for h in heads(pods)}
+    return len(running) == n and {p.ip for p in running} == others
+
+
+def wait_registered(kube: Kube, pods: PodRunner, n: int, timeout: float, what: str) -> None:
+    """Wait for :func:`every_replica_registered`; on a timeout, say what was recorded and what the head logged."""
+    try:
+        wait_for(lambda: every_replica_registered(kube, pods, n), timeout, interval=2, what=what)
+    except AssertionError as err:
+        logged = [
+            line[-160:]
+            for head in heads(pods)
+            for line in log_text(head).splitlines()
+            if re.search(r"registered from host|attached remote replica|detached replica", line)
+        ]
+        recorded = (kube.get("deployment", "qimg-dit") or {}).get("metadata", {}).get("annotations") or {}
+        raise AssertionError(
+            f"{err}; recorded: {recorded.get('omnimodel.io/registered-replicas')}; replica pods: "
+            f"{[(p.name, p.ip) for p in pods.processes('qimg-dit-replicas-')]}; the head logged: {logged[-8:]}"
+        ) from err
+
+
+# One deployed model for every step (start, scale-up, stall, successor). No scale-down: after 3 -> 1 the head's
+# requests hung past 60 s in two runs here (docs/vllm-omni.md, "What ran for real").
+@pytest.mark.timeout(1500)
+def test_an_image_stage_scales_2_to_3_under_traffic_and_recovers_a_stalled_replica_with_the_same_head(
+    kube: Kube,
+    pods: PodRunner,
+) -> None:
+    model_dir = ensure_tiny("text-to-image", MODELS)
+    kube.apply(
+        omnimodel(
+            "qimg",
+            {
+                "model": {"source": f"file:///models/tiny/{model_dir.name}", "servedName": "qwen-image"},
+                # Round-robin (vLLM-Omni's default picks at random), so requests alternate between replicas.
+                "runtime": {"kind": "vllm-omni", "extraArgs": [*CPU_ARGS, "--omni-lb-policy", "round-robin"]},
+                "stages": [{"name": "dit", "replicas": 2, "accelerator": {"vendor": "cpu"}}],
+            },
+        )
+    )
+    applied = time.monotonic()
+    base = f"http://qimg-gateway.{kube.ns}.svc:8000"
+    wait_for(lambda: healthy(base), 420, interval=1, what="the head's /health through the API Service")
+    wait_registered(kube, pods, 1, 120, "the replica recorded as registered")
+    kube.wait_ready("qimg", 120)
+    started = time.monotonic() - applied
+    (head,) = heads(pods)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["qwen-image"]
+    for i in range(4):
+        assert png(client, "qwen-image", f"a cube {i}").startswith(b"\x89PNG\r\n\x1a\n")
+    served = sorted(int(r) for r in ADD_REQUEST.findall(log_text(head)))
+    # Both the head's own replica and the replica pod's serve. Not an exact two and two: vLLM-Omni 0.30's
+    # round-robin counts from where its cursor stands (a CI run saw three and one).
+    assert len(served) == 4 and set(served) == {0, 1}, served
+
+    traffic = Traffic(client, "qwen-image")
+    wait_for(lambda: len(traffic.results) >= 3, 60, what="traffic flowing")
+
+    # 2 -> 3: the new replica registers and serves; nothing fails meanwhile.
+    up = time.monotonic()
+    set_replicas(kube, "qimg", "dit", 3)
+    wait_registered(kube, pods, 2, 420, "the third replica registered")
+    grown = time.monotonic() - up
+    wait_for(
+        lambda: set(ADD_REQUEST.findall(log_text(head))) - {"0", "1"}, 60, what="the third replica serving a request"
+    )
+    gap = traffic.longest_gap(up)
+    assert all(ok for _, _, ok, _ in traffic.ended_since(up)), [e for *_, ok, e in traffic.ended_since(up) if not ok]
+    assert gap < 10, f"{gap:.1f} s without an answer; (start, end, ok) since the scale-up: {traffic.describe(up)}"
+
+    # A replica stalled (SIGSTOP) until the head detaches it: Degraded names the stage within 15 s.
+    stalled = pods.processes("qimg-dit-replicas-")[0]
+    detaches = log_text(head).count("detached replica stage=0")
+    os.killpg(stalled.proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(
+            lambda: log_text(head).count("detached replica stage=0") > detaches,
+            120,
+            what="the head detached the stalled replica",
+        )
+        detached = time.monotonic()
+        stall = detached - stopped
+        degraded = wait_for(
+            lambda: (c := kube.condition("qimg", "Degraded")) and c["status"] == "True" and stalled.name in c["message"]
+            and c,
+            15, interval=0.5, what="Degraded=True naming the stalled replica's pod",
+        )  # fmt: skip
+        assert stalled.ip in members(kube, "qimg-dit", "dit", "lost")
+        seen = time.monotonic() - detached
+    finally:
+        os.killpg(stalled.proc.pid, signal.SIGCONT)
+    # The kubelet's liveness probe (the test bed runs none) would restart it: deleting the pod stands in, and
+    # is a lost replica too: its Deployment's new pod registers with the same head, which serves on.
+    known = set(ADD_REQUEST.findall(log_text(head)))
+    kube.run("delete", "pod", stalled.name, "--wait=false")
+    replaced = time.monotonic()
+
+    wait_for(lambda: stalled.uid not in {p.uid for p in pods.processes("qimg-dit-replicas-")}, 120, what="the pod gone")
+    wait_registered(kube, pods, 2, 420, "the stalled replica's successor registered with the same head")
+    rejoin = time.monotonic() - replaced
+    wait_for(
+        lambda: (c := kube.condition("qimg", "Degraded")) and c["status"] == "False", 30, interval=1,
+        what="Degraded=False once every replica is registered",
+    )  # fmt: skip
+    kube.wait_ready("qimg", 60)
+    assert [p.uid for p in heads(pods)] == [head.uid], "the head restarted"
+
+    # The successor serves: the head gives it a replica id of its own (0.30 never reuses one).
+    wait_for(
+        lambda: set(ADD_REQUEST.findall(log_text(head))) - known, 60, what="the stalled replica's successor serving"
+    )
+    # The stall, under traffic (one client): at most the one request bound to the stalled replica failed
+    # (0.30: "stage replica disappeared" at the detach); the head never restarted.
+    traffic.stop()
+    stall_failed = [e for *_, ok, e in traffic.ended_since(up) if not ok]
+    assert len(stall_failed) <= 1, stall_failed
+    assert [p.uid for p in heads(pods)] == [head.uid], "the head restarted"
+    print(
+        f"2->3: started {started:.0f}s, third replica registered {grown:.0f}s after the scale-up (longest gap "
+        f"{gap:.1f}s); stall: detached {stall:.0f}s after SIGSTOP, Degraded {seen:.1f}s after the detach "
+        f"({degraded['message']}), successor registered {rejoin:.0f}s after its pod was deleted; longest gap "
+        f"since the stall {traffic.longest_gap(stopped):.1f}s, {len(stall_failed)} request(s) failed"
+    )
