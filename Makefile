@@ -95,20 +95,23 @@ test-newest: ## The omni, TTS, text-to-image and text engines' tests on the newe
 
 .PHONY: test
 test: lint cluster-build chart-lint images vllm-omni-env hfmirror-env ## Everything CI runs: lint, unit, component and e2e tests
-	$(MAKE) --no-print-directory -j2 --output-sync=line test-suites test-pods
+	$(MAKE) --no-print-directory -j2 test-suites test-pods
 	$(MAKE) --no-print-directory vllm-omni-catalogue-check
 
 # test's two lanes, run side by side: each is long (about 25 min on 2 cores) and much of either is waiting
 # on processes, so together they take far less than one after the other. They share nothing but the
 # caches, which lock (tiny models) or are only read (images, environments); each has its own cluster.
+# Each line is printed as it comes, prefixed with its lane (make's --output-sync would hold a lane's
+# output until its command ends: half an hour of silence).
+LANE = set -o pipefail; PYTHONUNBUFFERED=1
 .PHONY: test-suites test-pods
 test-suites: ## Lane 1 of test: unit, component and e2e tests on the local control plane
-	$(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)
+	@$(LANE) $(PY) -m pytest tests e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS) 2>&1 | sed -u 's/^/[suites] /'
 
 test-pods: ## Lane 2 of test: the engines on the newest libraries, pods from their images, the demo
-	$(MAKE) --no-print-directory test-newest
-	$(MAKE) --no-print-directory e2e-serving
-	$(MAKE) --no-print-directory e2e-demo
+	@$(LANE) $(MAKE) --no-print-directory test-newest 2>&1 | sed -u 's/^/[pods] /'
+	@$(LANE) $(MAKE) --no-print-directory e2e-serving 2>&1 | sed -u 's/^/[pods] /'
+	@$(LANE) $(MAKE) --no-print-directory e2e-demo 2>&1 | sed -u 's/^/[pods] /'
 
 .PHONY: hfmirror-env
 hfmirror-env: ## Build (or reuse) the cached environment of the test bed's Hugging Face mirror (olah); prints its path
