@@ -77,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(metrics_host=args.metrics_host),
     )
     return 0
 
@@ -91,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="run the operator against the current kubeconfig/in-cluster config")
     p_run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
     p_run.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p_run.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address /metrics listens on (default: every address of the pod)",
+    )
     p_run.add_argument(
         "--peering",
         default=None,

@@ -56,7 +56,7 @@ def start_metrics(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if port == 0:
         return
     try:
-        memo.metrics_server = MetricsServer(memo.metrics.registry, port)
+        memo.metrics_server = MetricsServer(memo.metrics.registry, port, memo.get("metrics_host", "0.0.0.0"))
     except OSError as err:
         # Permanent: kopf then exits, and a crash-looping pod says more than a silent missing endpoint.
         raise kopf.PermanentError(f"Cannot serve metrics on port {port}: {err}") from err

@@ -191,7 +191,9 @@ def test_deployment_runs_one_operator_with_kopf_health_probes(render: Render) ->
     container = operator_container(manifests)
     assert container["image"] == f"ghcr.io/omnimodel/omnimodel-operator:{__version__}"
     assert container["command"] == ["omnimodel-operator"]
-    assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz", f"--peering={PEERING}"]
+    assert container["args"] == [
+        "run", "--liveness=http://0.0.0.0:8080/healthz", "--metrics-host=0.0.0.0", f"--peering={PEERING}"
+    ]  # fmt: skip
     # kopf's peering identity: the pod's name.
     assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
     peering = find(manifests, "ClusterKopfPeering", PEERING)
@@ -279,7 +281,10 @@ def test_operator_values_reach_the_operator_settings(render: Render, monkeypatch
     assert settings.health_port == 9090
     assert settings.metrics_port == 9091
     assert settings.image_pull_policy == "IfNotPresent"
-    assert container["args"] == ["run", "--liveness=http://0.0.0.0:9090/healthz", f"--peering={PEERING}", "--verbose"]
+    assert container["args"] == [
+        "run", "--liveness=http://0.0.0.0:9090/healthz", "--metrics-host=0.0.0.0", f"--peering={PEERING}",
+        "--verbose",
+    ]  # fmt: skip
     assert [p["containerPort"] for p in container["ports"]] == [9090, 9091]
 
 
