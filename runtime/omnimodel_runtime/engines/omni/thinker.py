@@ -198,7 +198,7 @@ class OmniThinkerEngine(OmniEngine):
             return
         # Every request must fit a slot: the context limit becomes the slot capacity.
         self._max_model_len = min(self._max_model_len, int(self.args.get("slot_capacity", 4096)))
-        decoder = SlotDecoder(
+        decoder = self._slot_decoder(
             self.model.model,
             self.model.lm_head,
             slots=self.max_batch,
@@ -208,6 +208,11 @@ class OmniThinkerEngine(OmniEngine):
         )
         decoder.capture_all()
         self._slots = SlotTable(decoder)
+
+    def _slot_decoder(self, model: Any, lm_head: Any, **options: Any) -> SlotDecoder:
+        """The decoder of batched serving's slots; a model family whose decode step differs (Qwen3's
+        query/key norms) returns its own."""
+        return SlotDecoder(model, lm_head, **options)
 
     def speech_prompt(self, text: str) -> tuple[list[int], list[int]]:
         """The prompt and the forced reply of a speech request, as token ids.

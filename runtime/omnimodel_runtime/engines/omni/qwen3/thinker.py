@@ -5,7 +5,6 @@ positions and, at audio/image/video placeholders of the prompt, the hidden state
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -18,9 +17,6 @@ from omnimodel_runtime.engines.omni.inputs import load_processor
 from omnimodel_runtime.engines.omni.qwen3.common import load_config, moe_experts, speakers
 from omnimodel_runtime.engines.omni.qwen3.slots import Qwen3SlotDecoder
 from omnimodel_runtime.engines.omni.thinker import OmniThinkerEngine
-from omnimodel_runtime.engines.slots import SlotTable, supported
-
-log = logging.getLogger(__name__)
 
 
 class Qwen3ThinkerEngine(OmniThinkerEngine):
@@ -58,27 +54,11 @@ class Qwen3ThinkerEngine(OmniThinkerEngine):
         moe_experts(self, self.model)
         self.loaded(tc.get_text_config())
 
-    def _load_slots(self) -> None:
-        """Batched serving's decode slots (the Qwen2.5 thinker's, with Qwen3's query/key norms); text
-        requests decode in them, a request with media runs whole through ``generate()`` (its M-RoPE shift)."""
-        problem = supported(self.model.model)
-        if problem is not None:
-            log.warning("The thinker serves one request at a time: %s", problem)
-            self.batched = False
-            return
-        # Every request must fit a slot: the context limit becomes the slot capacity.
-        self._max_model_len = min(self._max_model_len, int(self.args.get("slot_capacity", 4096)))
-        decoder = Qwen3SlotDecoder(
-            self.model.model,
-            self.model.lm_head,
-            hidden=False,
-            slots=self.max_batch,
-            capacity=self._max_model_len,
-            graphs=self.graphs,
-            compiled=self.compiled,
-        )
-        decoder.capture_all()
-        self._slots = SlotTable(decoder)
+    def _slot_decoder(self, model: Any, lm_head: Any, **options: Any) -> Qwen3SlotDecoder:
+        """The Qwen2.5 thinker's decode slots with Qwen3's query/key norms; text requests decode in them, a
+        request with media runs whole through ``generate()`` (its M-RoPE shift). ``hidden=False``: Qwen3's
+        talker reads the reply's embeddings alone, not the hidden state added to them."""
+        return Qwen3SlotDecoder(model, lm_head, hidden=False, **options)
 
     def speaker_token(self, voice: str) -> int:
         """Qwen3-Omni starts a voice's speech with its codec id (the talker's vocabulary)."""
