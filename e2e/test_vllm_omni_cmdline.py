@@ -45,8 +45,7 @@ def test_what_the_operator_renders_validates_with_vllm_omnis_parser(
     """The acceptance CR (qwen3_omni_moe across H200, MI300X and L40S), the tiny Qwen2.5-Omni of the e2e
     suite and a single-stage image model: every head and replica command line parses and validates,
     against the very deploy file the operator writes (interpolations resolved from the pod's env)."""
-    from omnimodel_operator.builders import render
-    from omnimodel_operator.resolve import resolve
+    from omnimodel_operator.runtimes import render, resolve
     from omnimodel_operator.settings import OperatorSettings
 
     monkeypatch.setenv("POD_IP", "10.244.0.9")  # the deploy file's ${oc.env:POD_IP}

@@ -13,7 +13,6 @@ import yaml
 
 from omnimodel_operator import constants as C
 from omnimodel_operator.crdgen import render_crd_yaml
-from omnimodel_operator.resolve import resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
 
@@ -26,7 +25,7 @@ def _documents(path: str) -> list[dict[str, Any]]:
 def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: OperatorSettings) -> str:
     """Multi-document YAML of every child, as the operator would apply them (owner references are
     added by the operator once the object has a uid)."""
-    from omnimodel_operator.builders import render  # noqa: PLC0415  (keeps `crd` import-light)
+    from omnimodel_operator.runtimes import render, resolve  # noqa: PLC0415  (keeps `crd` import-light)
 
     out: list[dict[str, Any]] = []
     for doc in docs:
@@ -35,14 +34,14 @@ def render_documents(docs: Sequence[dict[str, Any]], namespace: str, settings: O
         meta = doc.get("metadata") or {}
         if not meta.get("name"):
             raise InvalidSpec("metadata.name", "an OmniModel needs a name")
-        plan = resolve(
+        runtime = resolve(
             meta["name"],
             meta.get("namespace") or namespace,
             doc.get("spec") or {},
             settings,
             uid=meta.get("uid"),
         )
-        out.extend(render(plan, settings))
+        out.extend(render(runtime, settings))
     return yaml.safe_dump_all(out, sort_keys=False, width=120)
 
 

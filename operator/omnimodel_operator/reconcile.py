@@ -21,18 +21,16 @@ from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, OmniModelSpec, OmniModelStatus
-from omnimodel_operator.builders import Manifest, render
+from omnimodel_operator.builders import Manifest
 from omnimodel_operator.builders.gateway import API_KEY_SECRET_KEY
 from omnimodel_operator.builders.weights import fetches, job_name
 from omnimodel_operator.drift import drift
 from omnimodel_operator.kube import ApiError, KubeClient
 from omnimodel_operator.observed import Key, Observed
-from omnimodel_operator.resolve import Plan, resolve
+from omnimodel_operator.runtimes import Runtime, render, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
-from omnimodel_operator.status import Problems, component_state, compute_status, invalid_status, status_dict
-from omnimodel_operator.vllm_omni.plan import VllmPlan
-from omnimodel_operator.vllm_omni.state import vllm_components
+from omnimodel_operator.status import Problems, compute_status, invalid_status, status_dict
 from omnimodel_operator.weights import weights_state
 
 # The label the Job controller puts on its pods (Kubernetes 1.27+; the bare job-name too).
@@ -150,13 +148,8 @@ async def _prune(client: KubeClient, stale: Sequence[Manifest], outcome: Outcome
     outcome.deleted.sort()
 
 
-def _matches(obj: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
-    labels = obj["metadata"].get("labels") or {}
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
 def _status(
-    plan: Plan | VllmPlan,
+    runtime: Runtime,
     current: Mapping[Key, Manifest],
     pods: Sequence[Manifest],
     old: OmniModelStatus,
@@ -166,6 +159,7 @@ def _status(
     autoscalers: Mapping[str, AutoscalerStatus],
     progress: Mapping[str, Any] | None = None,
 ) -> OmniModelStatus:
+    plan = runtime.plan
     hpas = {
         sp.name: hpa
         for sp in plan.stages
@@ -176,16 +170,7 @@ def _status(
         job = job_name(plan)
         job_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
         weights = weights_state(job, plan.spec.model.revision, current.get(("Job", job)), job_pods, progress)
-    if isinstance(plan, VllmPlan):
-        stages, gateway = vllm_components(plan, current, pods)
-        return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers, weights)
-    stages = []
-    for sp in plan.stages:
-        name = naming.stage_name(plan.name, sp.stage.name)
-        mine = [p for p in pods if _matches(p, naming.stage_selector(plan.name, sp.stage.name))]
-        stages.append(component_state(sp.stage.name, current.get(("Deployment", name)), mine))
-    gateway_pods = [p for p in pods if _matches(p, naming.gateway_selector(plan.name))]
-    gateway = component_state("gateway", current.get(("Deployment", naming.gateway_name(plan.name))), gateway_pods)
+    stages, gateway = runtime.components(current, pods)
     return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers, weights)
 
 
@@ -318,7 +303,7 @@ async def reconcile(
     old = parse_status(old_raw)
     outcome = Outcome()
     try:
-        plan = resolve(name, namespace, body.get("spec") or {}, settings, uid=uid)
+        runtime = resolve(name, namespace, body.get("spec") or {}, settings, uid=uid)
     except InvalidSpec as err:
         # Nothing is applied and nothing deleted: the last good children keep serving.
         outcome.invalid = err
@@ -326,10 +311,10 @@ async def reconcile(
         await write_status(client, body, old_raw, outcome.status, now())
         return outcome
 
-    missing = await missing_secrets(client, namespace, plan.spec) if _secrets_due(old, generation) else ()
+    missing = await missing_secrets(client, namespace, runtime.plan.spec) if _secrets_due(old, generation) else ()
     if missing:
         outcome.recheck_after = SECRET_RECHECK_SECONDS
-    desired = render(plan, settings, observed)
+    desired = render(runtime, settings, observed)
     live = {key: obj for key, obj in observed.objects.items() if owned_by(obj, uid)}
     wanted = {_key(m) for m in desired}
     outcome.conflicts = await _conflicts(client, [m for m in desired if _key(m) not in live], uid)
@@ -341,7 +326,7 @@ async def reconcile(
         await _prune(client, [obj for key, obj in live.items() if key not in wanted], outcome)
     problems = Problems(apply_errors=tuple(outcome.errors), conflicts=tuple(outcome.conflicts), missing_secrets=missing)
     status = _status(
-        plan, current, observed.pods, old, generation, now(), problems, autoscalers or {}, weights_progress
+        runtime, current, observed.pods, old, generation, now(), problems, autoscalers or {}, weights_progress
     )
     outcome.status = status_dict(status)
     await write_status(client, body, old_raw, outcome.status, now())

@@ -6,7 +6,6 @@ wrong surfaces here as :class:`InvalidSpec` naming the field, before anything is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +15,7 @@ from omnimodel_operator import constants as C
 from omnimodel_operator import naming
 from omnimodel_operator.api.v1alpha1 import TINY_MODELS, OmniModelSpec, StageSpec
 from omnimodel_operator.settings import OperatorSettings
-from omnimodel_operator.spec import InvalidSpec, accelerator_request, parse_spec
-from omnimodel_operator.vllm_omni.plan import VllmPlan, resolve_vllm_omni
+from omnimodel_operator.spec import InvalidSpec, accelerator_request
 from omnimodel_runtime.pipeline import (
     ENGINE_TASKS,
     AcceleratorRequest,
@@ -202,20 +200,6 @@ def _no_image(vendor: Vendor) -> str:
         f"operator's image for {vendor.value} (Helm value runtime.images.{vendor.value}, or "
         f"OMNIMODEL_RUNTIME_IMAGES) or spec.runtime.image (used by every stage and the gateway)"
     )
-
-
-def resolve(
-    name: str,
-    namespace: str,
-    raw_spec: Mapping[str, Any] | OmniModelSpec,
-    settings: OperatorSettings,
-    uid: str | None = None,
-) -> Plan | VllmPlan:
-    """Spec → plan for the spec's runtime, or :class:`InvalidSpec`."""
-    spec = raw_spec if isinstance(raw_spec, OmniModelSpec) else parse_spec(raw_spec)
-    if spec.runtime.kind == "vllm-omni":
-        return resolve_vllm_omni(name, namespace, spec, settings, uid=uid)
-    return resolve_omnimodel(name, namespace, spec, settings, uid=uid)
 
 
 def resolve_omnimodel(

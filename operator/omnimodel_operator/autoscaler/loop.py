@@ -11,24 +11,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import httpx
 
 from omnimodel_operator import constants as C
-from omnimodel_operator import naming
-from omnimodel_operator.api.v1alpha1 import AutoscalerStatus, Autoscaling
+from omnimodel_operator.api.v1alpha1 import AutoscalerStatus
 from omnimodel_operator.autoscaler.decide import Decision, StageHistory, StageSignal, decide
 from omnimodel_operator.autoscaler.signals import Readings, read
 from omnimodel_operator.kube import ApiError, KubeClient, Manifest
 from omnimodel_operator.observed import Observed
 from omnimodel_operator.reconcile import event, utc_now
-from omnimodel_operator.resolve import Plan, resolve
+from omnimodel_operator.runtimes import Scaled, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
-from omnimodel_operator.vllm_omni.plan import VllmPlan
-from omnimodel_runtime.pipeline import StageKind
 
 Key = tuple[str, str]
 FIELD_MANAGER: Final = "omnimodel-autoscaler"
@@ -43,37 +39,6 @@ class Source(Protocol):
     def observed(self, namespace: str, name: str) -> Observed: ...
 
     def omnimodel_keys(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Scaled:
-    """One autoscaled stage's target: its Deployment and how its signal is read."""
-
-    stage: str
-    deployment: str
-    spec: Autoscaling
-    metric: str
-    target: float
-
-
-def scaled_stages(plan: Plan | VllmPlan) -> list[Scaled]:
-    """Stages the operator scales, with the metric and target each uses (defaults per stage kind)."""
-    out = []
-    for sp in plan.stages:
-        auto = sp.spec.autoscaling if sp.spec is not None else None
-        if auto is None or auto.provider != "operator":
-            continue
-        if isinstance(plan, VllmPlan):
-            from omnimodel_operator.builders.vllm_omni import replica_deployment_name  # noqa: PLC0415
-
-            metric = auto.metric or "queueDepth"
-            deployment = replica_deployment_name(plan, sp)  # type: ignore[arg-type]
-        else:
-            kind = plan.pipeline.stage(sp.name).kind
-            metric = auto.metric or ("pendingSeconds" if kind is StageKind.DIFFUSION else "inFlight")
-            deployment = naming.stage_name(plan.name, sp.name)
-        out.append(Scaled(sp.name, deployment, auto, metric, auto.target_for(metric)))
-    return out
 
 
 def signal_of(scaled: Scaled, readings: Readings) -> StageSignal:
@@ -136,27 +101,17 @@ class Autoscaler:
             log.exception(f"Reading the vLLM-Omni head of OmniModel {key[0]}/{key[1]} failed")
 
     async def membership(self, key: Key) -> None:
-        """vLLM-Omni only: record which replica pods the head routes to (vllm_omni/membership.py), before
-        scaling reads it: a scale-down must never count a replica the head has already dropped."""
+        """What the runtime reads from its live pods before scaling (``Runtime.observe``; vLLM-Omni: which
+        replica pods the head routes to, so a scale-down never counts a replica the head has dropped)."""
         namespace, name = key
         body = self.source.omnimodel(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         try:
-            plan = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
+            runtime = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
         except InvalidSpec:
             return
-        if not isinstance(plan, VllmPlan):
-            return
-        from omnimodel_operator.builders.vllm_omni import head_deployment_name  # noqa: PLC0415
-        from omnimodel_operator.vllm_omni.membership import publish  # noqa: PLC0415
-        from omnimodel_operator.vllm_omni.restarts import is_head_pod, is_replica_pod  # noqa: PLC0415
-
-        observed = self.source.observed(namespace, name)
-        await publish(
-            self.client, self.http, plan, observed.objects.get(("Deployment", head_deployment_name(plan))),
-            [p for p in observed.pods if is_head_pod(p)], [p for p in observed.pods if is_replica_pod(p)],
-        )  # fmt: skip
+        await runtime.observe(self.client, self.http, self.source.observed(namespace, name))
 
     async def scale(self, key: Key) -> list[Decision]:
         namespace, name = key
@@ -165,19 +120,18 @@ class Autoscaler:
             self._status.pop(key, None)
             return []
         try:
-            plan = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
+            runtime = resolve(name, namespace, body.get("spec") or {}, self.settings, uid=body["metadata"].get("uid"))
         except InvalidSpec:
             return []
-        stages = scaled_stages(plan)
+        stages = runtime.autoscaled()
         if not stages:
             self._status.pop(key, None)
             return []
         observed = self.source.observed(namespace, name)
-        queue_stages = [s.stage for s in stages if s.metric == "queueDepth"] if isinstance(plan, Plan) else []
-        stage_ids = {str(s.stage.id): s.name for s in plan.stages} if isinstance(plan, VllmPlan) else None
+        scrape = runtime.scrape(stages)
         readings = await read(
             self.http, observed.pods, gateway_port=C.GATEWAY_PORT, stage_port=C.STAGE_PORT,
-            stage_ids=stage_ids, scrape_stages=queue_stages,
+            stage_ids=scrape.stage_ids, scrape_stages=scrape.stages,
         )  # fmt: skip
         current: dict[str, int] = {}
         for s in stages:

@@ -1,4 +1,6 @@
-"""Pure builders: a :class:`~omnimodel_operator.resolve.Plan` in, plain manifest dicts out.
+"""Pure builders: a plan in, plain manifest dicts out (:func:`render_omnimodel` for this project's
+runtime, :func:`~omnimodel_operator.builders.vllm_omni.render_vllm_omni` for vLLM-Omni's; which one a
+spec gets is :mod:`omnimodel_operator.runtimes`' choice).
 
 Only these functions set names, labels, owner references, resources and placement; reconcile applies
 whatever they return, in order.
@@ -17,22 +19,14 @@ from omnimodel_operator.builders.stage import (
     stage_pdb,
     stage_service,
 )
-from omnimodel_operator.builders.vllm_omni import render_vllm_omni, restart_marks_of
 from omnimodel_operator.builders.weights import fetch_job, weights_claim
-from omnimodel_operator.observed import Observed
 from omnimodel_operator.resolve import Plan
 from omnimodel_operator.settings import OperatorSettings
-from omnimodel_operator.vllm_omni.plan import VllmPlan
 
 
-def render(plan: Plan | VllmPlan, settings: OperatorSettings, observed: Observed | None = None) -> list[Manifest]:
-    """Every child of one OmniModel, in apply order (config before the pods that mount it).
-
-    ``observed`` (the live children and pods) matters only to vLLM-Omni, whose head and replicas the
-    operator restarts together (:mod:`omnimodel_operator.vllm_omni.restarts`).
-    """
-    if isinstance(plan, VllmPlan):
-        return [with_applied_hash(m) for m in render_vllm_omni(plan, settings, restart_marks_of(plan, observed))]
+def render_omnimodel(plan: Plan, settings: OperatorSettings) -> list[Manifest]:
+    """Every child of one OmniModel on this project's runtime, in apply order (config before the pods
+    that mount it)."""
     out: list[Manifest] = [pipeline_configmap(plan), service_account(plan)]
     # The weights: a claim to keep them in (when the operator creates it) and the one fetch into it.
     out.extend(m for m in (weights_claim(plan), fetch_job(plan, settings)) if m is not None)
@@ -46,7 +40,7 @@ def render(plan: Plan | VllmPlan, settings: OperatorSettings, observed: Observed
             out.append(stage_network_policy(plan, sp, settings))
     out.append(gateway_service(plan))
     out.append(gateway_deployment(plan, settings))
-    return [with_applied_hash(m) for m in out]
+    return out
 
 
 def with_applied_hash(manifest: Manifest) -> Manifest:
@@ -60,4 +54,4 @@ def with_applied_hash(manifest: Manifest) -> Manifest:
     return {**manifest, "metadata": {**manifest["metadata"], "annotations": annotations}}
 
 
-__all__ = ["Manifest", "render"]
+__all__ = ["Manifest", "render_omnimodel", "with_applied_hash"]

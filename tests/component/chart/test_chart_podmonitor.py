@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from chartkit import NAMESPACE, Render, RenderError, find, kinds
 
-from omnimodel_operator.builders import render as render_children
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import render as render_children
+from omnimodel_operator.runtimes import resolve
 from omnimodel_operator.settings import OperatorSettings
 
 MONITOR = "omni-omnimodel-operator-vllm-omni"

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omnimodel_operator.builders import render
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import render, resolve
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 from omnimodel_runtime.pipeline import PRESETS, Vendor
 

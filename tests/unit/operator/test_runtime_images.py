@@ -11,7 +11,8 @@ from omnimodel_operator import __version__
 from omnimodel_operator import conditions as cond
 from omnimodel_operator import constants as C
 from omnimodel_operator.accelerators import ACCELERATORS
-from omnimodel_operator.resolve import Plan, resolve
+from omnimodel_operator.resolve import Plan
+from omnimodel_operator.runtimes import resolve
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.status import OmniModelStatus, invalid_status
@@ -33,7 +34,7 @@ def spec_on(vendor: Vendor, **runtime: str) -> dict[str, Any]:
 
 
 def plan_of(spec: dict[str, Any], settings: OperatorSettings) -> Plan:
-    plan = resolve("demo", "ml", spec, settings)
+    plan = resolve("demo", "ml", spec, settings).plan
     assert isinstance(plan, Plan)
     return plan
 

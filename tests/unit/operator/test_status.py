@@ -8,8 +8,9 @@ import pytest
 
 from omnimodel_operator import conditions as cond
 from omnimodel_operator.api.v1alpha1 import OmniModelStatus
-from omnimodel_operator.resolve import Plan, resolve
+from omnimodel_operator.resolve import Plan, resolve_omnimodel
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import parse_spec
 from omnimodel_operator.status import ComponentState, Problems, component_state, compute_status
 
 SETTINGS = OperatorSettings()
@@ -18,7 +19,7 @@ NOW = "2026-01-01T00:00:00Z"
 
 def plan() -> Plan:
     spec = {"model": {"source": "tiny://qwen2.5-omni"}, "preset": "qwen2.5-omni"}
-    return resolve("m", "ml", spec, SETTINGS, uid="u")
+    return resolve_omnimodel("m", "ml", parse_spec(spec), SETTINGS, uid="u")
 
 
 def deployment(desired: int, *, updated: int, available: int, total: int | None = None, gen: int = 2, seen: int = 2,
@@ -179,7 +180,7 @@ def test_a_stage_the_autoscaler_took_to_zero_still_serves_on_demand() -> None:
         "preset": "qwen2.5-omni",
         "stages": [{"name": "talker", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}],
     }
-    wakeable = resolve("m", "ml", spec, SETTINGS, uid="u")
+    wakeable = resolve_omnimodel("m", "ml", parse_spec(spec), SETTINGS, uid="u")
     talker = component_state("talker", deployment(0, updated=0, available=0), [])
     status = compute_status(wakeable, [ready("thinker"), talker, ready("code2wav")], ready("gateway"), {},
                             OmniModelStatus(), 2, NOW, Problems())  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from omnimodel_operator.api.v1alpha1 import TINY_MODELS
 from omnimodel_operator.api.v1alpha1.rules import OPERATOR_ENGINE_ARGS, preset_engines, tiny_models_of
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.vllm_omni import plan as vllm_plan
@@ -64,7 +64,7 @@ def test_specs_that_would_fail_in_the_pod_are_refused_naming_the_field(
     ids=["engine-that-runs-the-task", "tiny-variant", "own-tiny-model", "not-tiny"],
 )
 def test_their_neighbours_still_resolve(spec: dict[str, Any]) -> None:
-    assert resolve("m", "ml", spec, SETTINGS, uid="u").name == "m"
+    assert resolve("m", "ml", spec, SETTINGS, uid="u").plan.name == "m"
 
 
 def test_the_tiny_models_named_in_the_crd_are_the_runtimes() -> None:

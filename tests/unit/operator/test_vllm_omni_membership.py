@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnimodel_operator.resolve import resolve
 from omnimodel_operator.settings import OperatorSettings
+from omnimodel_operator.spec import parse_spec
 from omnimodel_operator.status import ComponentState
 from omnimodel_operator.vllm_omni.membership import Membership, StageMembers, membership_of
+from omnimodel_operator.vllm_omni.plan import resolve_vllm_omni
 from omnimodel_operator.vllm_omni.state import registered_only
 
 SPEC = {
@@ -33,7 +34,7 @@ def answer(*hosts: str, up: bool = True) -> dict[str, Any]:
 
 
 def test_a_detached_replica_is_lost_and_degrades_its_stage() -> None:
-    plan = resolve("qimg", "ml", SPEC, OperatorSettings())
+    plan = resolve_vllm_omni("qimg", "ml", parse_spec(SPEC), OperatorSettings())
     pods = [replica("a", "10.0.0.1"), replica("b", "10.0.0.2")]
     both = membership_of(plan, answer("10.0.0.1", "10.0.0.2"), pods, None)  # type: ignore[arg-type]
     assert both.stages["dit"] == StageMembers(("10.0.0.1", "10.0.0.2"), ())
@@ -49,7 +50,7 @@ def test_a_detached_replica_is_lost_and_degrades_its_stage() -> None:
 
 
 def test_a_replica_not_registered_yet_is_starting_not_lost() -> None:
-    plan = resolve("qimg", "ml", SPEC, OperatorSettings())
+    plan = resolve_vllm_omni("qimg", "ml", parse_spec(SPEC), OperatorSettings())
     pods = [replica("a", "10.0.0.1"), replica("new", "10.0.0.3")]
     members = membership_of(plan, answer("10.0.0.1"), pods, None)  # type: ignore[arg-type]
     state = registered_only(ComponentState("dit", 2, 2, 2, 2, reason=None), pods, members.stages["dit"])

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omnimodel_operator.builders import render
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import render, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.vllm_omni import load_catalogue
@@ -96,7 +95,7 @@ def test_the_acceptance_cr_renders_its_resources_placements_and_command_lines() 
     master = out[("Service", "qwen3-omni-master")]["spec"]
     assert (master["clusterIP"], master["publishNotReadyAddresses"]) == ("None", True)
     assert out[("Service", "qwen3-omni-gateway")]["spec"]["selector"]["app.kubernetes.io/component"] == "head"
-    assert plan.endpoint == "http://qwen3-omni-gateway.ml.svc:8000"
+    assert plan.plan.endpoint == "http://qwen3-omni-gateway.ml.svc:8000"
 
 
 CASES = {

@@ -12,10 +12,9 @@ from pydantic import ValidationError
 
 from omnimodel_operator import conditions as cond
 from omnimodel_operator.api.v1alpha1 import OmniModelSpec, OmniModelStatus
-from omnimodel_operator.builders import render
 from omnimodel_operator.builders.weights import job_name
 from omnimodel_operator.cli import main
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import render, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.status import ComponentState, compute_status
 from omnimodel_operator.weights import weights_state
@@ -182,7 +181,7 @@ def test_a_retried_fetch_says_why_and_a_failed_one_gives_the_fetch_reason() -> N
 
 
 def status_with(weights: Any, stages_ready: bool = False) -> OmniModelStatus:
-    plan = resolve("img", "ml", spec(cache={"pvc": "w"}), SETTINGS, uid="u1")
+    plan = resolve("img", "ml", spec(cache={"pvc": "w"}), SETTINGS, uid="u1").plan
     reason = None if stages_ready else cond.UPDATING
     stages = [ComponentState(s.name, 1, int(stages_ready), 1, int(stages_ready), reason=reason) for s in plan.stages]
     gateway = ComponentState("gateway", 1, 1, 1, 1, reason=None)
@@ -208,4 +207,4 @@ def test_ready_waits_for_the_weights_and_names_a_failed_fetch() -> None:
     ready = status_with(weights_state("j", None, job("Complete"), [pod("Succeeded", line)]), stages_ready=True)
     assert conditions_of(ready)[cond.READY] == ("True", cond.ALL_READY)
     assert conditions_of(ready)[cond.WEIGHTS_READY] == ("True", "Complete")
-    assert job_name(resolve("img", "ml", spec(cache={"pvc": "w"}), SETTINGS)).startswith("img-fetch-")
+    assert job_name(resolve("img", "ml", spec(cache={"pvc": "w"}), SETTINGS).plan).startswith("img-fetch-")

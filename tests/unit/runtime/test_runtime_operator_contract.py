@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from omnimodel_operator.builders import render
-from omnimodel_operator.resolve import resolve
+from omnimodel_operator.runtimes import render, resolve
 from omnimodel_operator.settings import DEFAULT_RUNTIME_IMAGES, OperatorSettings
 from omnimodel_runtime.cli import build_parser
 from omnimodel_runtime.gateway import build_gateway_app
