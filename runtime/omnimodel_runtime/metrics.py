@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,6 +61,50 @@ class _TokenRate:
             self._events.popleft()
 
 
+class EngineWork(Protocol):
+    """An engine's load figures (:class:`omnimodel_runtime.engines.base.EngineWork`; this module sits below
+    the engines, so it names their shape, not their class)."""
+
+    @property
+    def busy_seconds(self) -> float: ...
+    @property
+    def admitted(self) -> int: ...
+    @property
+    def queue_wait_seconds(self) -> float: ...
+
+
+class _EngineWorkCollector(Collector):
+    """``omnimodel_engine_busy_seconds_total``, ``omnimodel_engine_admitted_total`` and
+    ``omnimodel_engine_queue_wait_seconds_total`` per stage, read from each engine at the scrape (its worker
+    keeps them; engines that do not measure them have no series)."""
+
+    def __init__(self) -> None:
+        self.readers: dict[str, Callable[[], EngineWork | None]] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        busy = CounterMetricFamily(
+            "omnimodel_engine_busy_seconds",
+            "Seconds the engine's worker spent in model calls (its rate is the stage's busy fraction)",
+            labels=["stage"],
+        )
+        admitted = CounterMetricFamily(
+            "omnimodel_engine_admitted", "Requests the engine's worker took from its queue", labels=["stage"]
+        )
+        wait = CounterMetricFamily(
+            "omnimodel_engine_queue_wait_seconds",
+            "Seconds those requests waited between submission and the worker taking them, summed",
+            labels=["stage"],
+        )
+        for stage, read in sorted(self.readers.items()):
+            work = read()
+            if work is None:
+                continue
+            busy.add_metric([stage], work.busy_seconds)
+            admitted.add_metric([stage], work.admitted)
+            wait.add_metric([stage], work.queue_wait_seconds)
+        yield from (busy, admitted, wait)
+
+
 class StageMetricsFamily:
     """The stage metric families of one registry; every stage in the process is a label value
     (``serve`` runs several stages against one registry)."""
@@ -105,6 +149,8 @@ class StageMetricsFamily:
             labels,
             registry=registry,
         )
+        self.work = _EngineWorkCollector()
+        registry.register(self.work)
 
     def for_stage(self, stage: str) -> StageMetrics:
         return StageMetrics(self, stage)
@@ -126,10 +172,15 @@ class StageMetrics:
         self._batch = f.batch.labels(stage)
         self._rate = _TokenRate()
         f.tokens_per_second.labels(stage).set_function(self._rate.rate)
+        self._work = f.work
 
     def track_queue_depth(self, fn: Callable[[], int]) -> None:
         """Read the queue depth from the engine whenever metrics are scraped."""
         self._queue.set_function(fn)
+
+    def track_work(self, fn: Callable[[], EngineWork | None]) -> None:
+        """Read the engine's load figures (busy seconds, queue wait) whenever metrics are scraped."""
+        self._work.readers[self.stage] = fn
 
     # EngineMetrics hooks (may be called from an engine's worker thread).
     def observe_batch(self, size: int) -> None:

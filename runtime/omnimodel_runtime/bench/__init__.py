@@ -189,10 +189,16 @@ def run(args: argparse.Namespace) -> int:
             # Both deployments side by side in one run, measured interleaved on the same prompts.
             wanted = {name.strip() for name in args.omni_deployments.split(",") if name.strip()}
             urls = {}
+            # Where each deployment's stage metrics are: serve's own /metrics has every stage's.
+            scrape: dict[str, list[str]] = {}
             if "in_process" in wanted:
                 urls["in_process"] = stack.enter_context(serve_process(args, Path(tmp)))
+                scrape["in_process"] = [urls["in_process"]]
             if "three_processes" in wanted:
-                urls["three_processes"] = stack.enter_context(deployment(args, Path(tmp)))
+                scrape["three_processes"] = []
+                urls["three_processes"] = stack.enter_context(
+                    deployment(args, Path(tmp), stage_urls=scrape["three_processes"])
+                )
             if not urls:
                 raise SystemExit("--omni-deployments names none of in_process, three_processes")
             meta.update(
@@ -201,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
                 omni_requests=args.omni_requests,
                 hf_baseline=args.hf_baseline,
             )
-            results = asyncio.run(omni_mode.measure(args, urls))
+            results = asyncio.run(omni_mode.measure(args, urls, scrape))
         elif speech:
             url = args.url or stack.enter_context(deployment(args, Path(tmp)))
             results = asyncio.run(speech_mode.measure(args, url))

@@ -116,9 +116,12 @@ def latency_ratios(direct: list[float], gateway: list[float], ratios: list[float
 
 
 @contextlib.contextmanager
-def deployment(args: argparse.Namespace, workdir: Path, *, single_stage: bool = False) -> Iterator[str]:
+def deployment(
+    args: argparse.Namespace, workdir: Path, *, single_stage: bool = False, stage_urls: list[str] | None = None
+) -> Iterator[str]:
     """One ``omnimodel stage`` process per stage and an ``omnimodel gateway`` from one pipeline file, on
-    loopback ports, so every request crosses both HTTP hops as in a cluster; yield the gateway URL."""
+    loopback ports, so every request crosses both HTTP hops as in a cluster; yield the gateway URL (and
+    add each stage's URL to ``stage_urls``, where its ``/metrics`` are)."""
     from omnimodel_runtime.bench import engine_args
     from omnimodel_runtime.serve import serve_pipeline
 
@@ -129,6 +132,8 @@ def deployment(args: argparse.Namespace, workdir: Path, *, single_stage: bool = 
         raise SystemExit("bench deploys single-stage presets only (pass --url for others)")
     ports = {s.name: free_port() for s in base.stages}
     stages = tuple(s.model_copy(update={"endpoints": (f"http://127.0.0.1:{ports[s.name]}",)}) for s in base.stages)
+    if stage_urls is not None:
+        stage_urls.extend(f"http://127.0.0.1:{port}" for port in ports.values())
     path = workdir / "pipeline.json"
     path.write_text(base.model_copy(update={"stages": stages}).to_json())
     gateway_port = free_port()

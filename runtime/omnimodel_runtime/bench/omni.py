@@ -131,7 +131,11 @@ def summary(samples: list[OmniSample]) -> dict[str, Any]:
     return out
 
 
-async def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, urls: dict[str, str], scrape: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """Every section on each deployment of ``urls``; ``scrape``: the URLs whose ``/metrics`` hold each
+    deployment's stage metrics (read around every concurrency level, :func:`stage_load`)."""
     clients = {name: OmniClient(url, args.api_key, args.max_tokens) for name, url in urls.items()}
     prompts = PROMPTS[: max(1, args.omni_prompts)]
     result: dict[str, Any] = {}
@@ -158,7 +162,7 @@ async def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, A
                     section["ttfa_ratio_of_medians"] = round(split["ttfa_p50_s"] / base["ttfa_p50_s"], 4)
             result[kind] = section
         try:
-            result["concurrency"] = await ladder(args, clients)
+            result["concurrency"] = await ladder(args, clients, scrape)
         except Exception as err:
             result.setdefault("errors", {})["concurrency"] = f"{type(err).__name__}: {err}"
     finally:
@@ -167,19 +171,25 @@ async def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, A
     return result
 
 
-async def ladder(args: argparse.Namespace, clients: dict[str, OmniClient]) -> dict[str, Any]:
+async def ladder(
+    args: argparse.Namespace, clients: dict[str, OmniClient], scrape: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
     """Streamed requests at each concurrency level (``--omni-concurrency``), every deployment in turn:
     ``max(level, --omni-requests)`` per level, each of ``level`` clients sending its next when its last has
     returned. A failed request (an HTTP error, an error chunk, a dropped stream) is counted under
     ``failures`` and the level goes on; ``requests_per_s`` counts the requests that succeeded over the
     level's wall time, ``ttfa_max_s`` is the slowest first audio of the level, ``text_tok_s_aggregate`` all
-    text tokens over the wall time."""
+    text tokens over the wall time. Where ``scrape`` names the deployment's metrics URLs, ``stages`` gives
+    each stage's load over the level (:func:`stage_load`) and ``busiest_stage`` the one with the highest
+    busy fraction."""
     from omnimodel_runtime.bench.common import concurrently
 
     out: dict[str, Any] = {}
     for name, client in clients.items():
         levels: dict[str, Any] = {}
+        metrics_urls = (scrape or {}).get(name) or []
         for level in args.omni_concurrency:
+            before = await stage_counters(metrics_urls) if metrics_urls else None
             count = max(level, args.omni_requests)
             items = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
             errors: list[str] = []
@@ -206,12 +216,82 @@ async def ladder(args: argparse.Namespace, clients: dict[str, OmniClient]) -> di
             )
             if errors:
                 section["failure_examples"] = sorted(set(errors))[:3]
+            if before is not None:
+                section["stages"] = stage_load(before, await stage_counters(metrics_urls), wall)
+                busy = {stage: f["busy_fraction"] for stage, f in section["stages"].items() if "busy_fraction" in f}
+                if busy:
+                    section["busiest_stage"] = max(busy, key=lambda stage: busy[stage])
             levels[str(level)] = section
         base = levels.get(str(min(args.omni_concurrency)))
         for section in levels.values():
             if base and base.get("ttfa_p50_s") and section.get("ttfa_max_s") is not None:
                 section["ttfa_max_over_lowest_p50"] = round(section["ttfa_max_s"] / base["ttfa_p50_s"], 3)
         out[name] = levels
+    return out
+
+
+# The stage metrics a level's load is read from: Prometheus sample name -> key of stage_counters' result.
+_COUNTERS = {
+    "omnimodel_engine_busy_seconds_total": "busy_s",
+    "omnimodel_engine_admitted_total": "admitted",
+    "omnimodel_engine_queue_wait_seconds_total": "queue_wait_s",
+    "omnimodel_batch_size_count": "steps",
+    "omnimodel_batch_size_sum": "batch_rows",
+    "omnimodel_generated_tokens_total": "generated",
+}
+
+
+async def stage_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    """Each stage's counters (:data:`_COUNTERS`) from the ``/metrics`` of ``urls`` (stage processes, or
+    ``omnimodel serve``, whose one page has every stage), by the ``stage`` label."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in urls:
+            resp = await http.get(f"{url}/metrics")
+            resp.raise_for_status()
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    key = _COUNTERS.get(sample.name)
+                    stage = sample.labels.get("stage")
+                    if key is not None and stage is not None:
+                        out.setdefault(stage, {})[key] = float(sample.value)
+    return out
+
+
+def stage_load(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall: float) -> dict[str, Any]:
+    """Each stage's load between two :func:`stage_counters` readings ``wall`` seconds apart, what names a
+    saturated stage: ``busy_fraction`` (its worker's seconds in model calls over the wall time: near 1, the
+    stage cannot go faster), ``steps`` (batched steps or passes; a request served whole counts one) and
+    ``mean_batch`` (requests a step), ``busy_ms_per_step``, ``queue_wait_mean_s`` (submission to the
+    worker taking a request) and ``generated_per_s`` (the stage's output tokens: text tokens, codec codes)."""
+    out: dict[str, Any] = {}
+    for stage, now in sorted(after.items()):
+        then = before.get(stage, {})
+
+        def delta(key: str, now: dict[str, float] = now, then: dict[str, float] = then) -> float | None:
+            return now[key] - then.get(key, 0.0) if key in now else None
+
+        figures: dict[str, Any] = {}
+        busy, steps, rows = delta("busy_s"), delta("steps"), delta("batch_rows")
+        admitted, wait, generated = delta("admitted"), delta("queue_wait_s"), delta("generated")
+        if busy is not None:
+            figures["busy_fraction"] = round(busy / wall, 4)
+        if steps is not None:
+            figures["steps"] = int(steps)
+            if steps > 0 and rows is not None:
+                figures["mean_batch"] = round(rows / steps, 3)
+            if steps > 0 and busy is not None:
+                figures["busy_ms_per_step"] = round(busy / steps * 1000, 3)
+        if admitted is not None and wait is not None:
+            figures["requests"] = int(admitted)
+            if admitted > 0:
+                figures["queue_wait_mean_s"] = round(wait / admitted, 4)
+        if generated is not None:
+            figures["generated_per_s"] = round(generated / wall, 2)
+        out[stage] = figures
     return out
 
 

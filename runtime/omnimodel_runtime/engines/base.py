@@ -23,6 +23,17 @@ class EngineMetrics(Protocol):
         """``count`` output tokens were produced."""
 
 
+@dataclass(frozen=True)
+class EngineWork:
+    """What an engine's worker has done since it started, read at each metrics scrape: the load figures that
+    name a saturated stage (``omnimodel_engine_*`` counters; rates over an interval give its busy fraction
+    and mean queue wait)."""
+
+    busy_seconds: float  # inside model calls, not waiting for requests or for upstream input
+    admitted: int  # requests the worker has taken from its queue
+    queue_wait_seconds: float  # their time from submission to the worker taking them, summed
+
+
 class NullMetrics:
     """Metrics hooks that record nothing (direct engine use, benchmarks' baseline)."""
 
@@ -87,6 +98,10 @@ class Engine(abc.ABC):
     def queue_depth(self) -> int:
         """Requests accepted but not yet started (the autoscaling signal)."""
         return 0
+
+    def work(self) -> EngineWork | None:
+        """The worker's load figures so far; ``None`` where the engine does not measure them."""
+        return None
 
     @property
     def max_model_len(self) -> int | None:

@@ -49,6 +49,7 @@ class LocalStage(StageHandle):
             log.info("Stage %s: resolving the model (a tiny:// one is built on first use)", self.name)
             self.engine = await self._factory()
         self.metrics.track_queue_depth(self.engine.queue_depth)
+        self.metrics.track_work(self.engine.work)
         self._started = True
         # One engine loads at a time in a process: transformers' and diffusers' lazy imports and
         # from_pretrained are not safe to run from several threads at once (seen: corrupted modules).

@@ -80,6 +80,7 @@ def build_stage_app(
             eng = await load_engine(stage, pipeline.model, settings, metrics)
             holder["engine"] = eng
         metrics.track_queue_depth(eng.queue_depth)
+        metrics.track_work(eng.work)
         holder["started"] = eng
         await eng.start()
         log.info("Stage %s: warming up", stage.name)

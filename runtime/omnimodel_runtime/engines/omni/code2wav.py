@@ -345,7 +345,7 @@ class OmniCode2WavEngine(OmniEngine):
             self._gather_from = now
         left = GATHER_S - (now - self._gather_from)
         if left > 0:
-            self._wake.wait(left)  # the next upstream frame, or the end of the wait
+            self.wait_idle(left)  # the next upstream frame, or the end of the wait
             return True
         self._gather_from = None
         return False

@@ -21,13 +21,14 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
-from omnimodel_runtime.engines.base import EngineContext, flag
+from omnimodel_runtime.engines.base import EngineContext, EngineWork, flag
 from omnimodel_runtime.engines.devices import resolve_device, sdpa_backends, torch_dtype
 from omnimodel_runtime.engines.slots import new_stream, on_stream
 from omnimodel_runtime.engines.worker import CancelledRequestError, Job, WorkerEngine
@@ -41,6 +42,60 @@ _END: Final = object()  # end of an upstream feed
 PREFILL_ATTENTION_CUDA: Final = "flash,efficient,math"
 
 
+class WorkClock:
+    """The worker's busy seconds and its requests' queue wait (:class:`EngineWork`), for the stage's metrics.
+
+    Busy is the time inside :meth:`working` spans (a batched step, a request served whole) less the
+    :meth:`idle` spans inside them (waiting for upstream frames); a scrape on the event loop reads the span
+    in progress too, so a level of the bench sees its own seconds and no more. The lock keeps a reading from
+    catching a span half closed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0.0
+        self._since: float | None = None  # start of the busy span in progress
+        self._admitted = 0
+        self._queue_wait = 0.0
+
+    def _close(self, now: float) -> None:
+        if self._since is not None:
+            self._busy += now - self._since
+            self._since = None
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        with self._lock:
+            self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._close(time.monotonic())
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        with self._lock:
+            paused = self._since is not None
+            self._close(time.monotonic())
+        try:
+            yield
+        finally:
+            if paused:
+                with self._lock:
+                    self._since = time.monotonic()
+
+    def admitted(self, job: OmniJob) -> None:
+        """``job`` left the queue for the worker."""
+        with self._lock:
+            self._admitted += 1
+            self._queue_wait += time.monotonic() - job.submitted
+
+    def read(self) -> EngineWork:
+        with self._lock:
+            busy = self._busy + (time.monotonic() - self._since if self._since is not None else 0.0)
+            return EngineWork(busy_seconds=busy, admitted=self._admitted, queue_wait_seconds=self._queue_wait)
+
+
 @dataclass(eq=False, kw_only=True)
 class OmniJob(Job):
     """One request inside an omni worker: its upstream feed and what ``prepare`` worked out (``data``).
@@ -52,6 +107,7 @@ class OmniJob(Job):
     # Batched serving: whether the upstream feed has ended (set by ``poll``) and the stage's own state.
     ended: bool = False
     state: Any = None
+    submitted: float = 0.0  # time.monotonic() when the worker's queue got it
 
     def emit(self, frame: ResponseFrame) -> None:
         engine = self.engine
@@ -64,7 +120,8 @@ class OmniJob(Job):
         """The upstream stage's frames, blocking until each arrives (checking for cancellation)."""
         while True:
             try:
-                item = self.feed.get(timeout=poll)
+                with self.engine.clock.idle():
+                    item = self.feed.get(timeout=poll)
             except queue.Empty:
                 self.check()
                 continue
@@ -129,6 +186,7 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         self._stream_priority = 0  # the talker and thinker ask for a higher one (lower number)
         self._stream: Any = None
         self.holding = False  # inside one_wake_up(): frames wait for its end
+        self.clock = WorkClock()
 
     @contextlib.contextmanager
     def one_wake_up(self) -> Iterator[None]:
@@ -195,8 +253,17 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
         )
 
     def submit(self, job: OmniJob) -> None:
+        job.submitted = time.monotonic()
         super().submit(job)
         self._wake.set()
+
+    def work(self) -> EngineWork:
+        return self.clock.read()
+
+    def wait_idle(self, timeout: float) -> None:
+        """Inside a step, wait up to ``timeout`` for an upstream frame or a job, not counted as busy."""
+        with self.clock.idle():
+            self._wake.wait(timeout)
 
     def serve(self) -> None:
         if self.batched:
@@ -206,8 +273,10 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
             if job.cancelled:
                 continue
             self._current = job
+            self.clock.admitted(job)
             try:
-                self.run(job)
+                with self.clock.working():
+                    self.run(job)
             except CancelledRequestError:
                 pass
             except Exception as err:  # a failed request fails itself, not the engine
@@ -233,6 +302,8 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
                 new.append(first)
             while (more := self.take(0)) is not None:
                 new.append(more)
+            for job in new:
+                self.clock.admitted(job)
             active.extend(job for job in new if not job.cancelled)
             alive = []
             for job in active:
@@ -249,7 +320,8 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
                 continue
             self._wake.clear()
             try:
-                finished, moved = self.advance(active)
+                with self.clock.working():
+                    finished, moved = self.advance(active)
             except Exception as err:  # a failed batched step fails its batch, not the engine
                 for job in active:
                     self.fail(job, err)
