@@ -11,6 +11,10 @@ itself is then remounted read-only, so only volumes can be written. Finally this
 drops to the container's uid and gid with no supplementary groups, and execs the command, looked up on
 the container's ``PATH`` inside the image. The PID the pod runner holds is the container's own process.
 
+A command run in a running container (an ``exec`` probe or hook: ``exec_argv``) enters that process's
+mount and UTS namespaces (``nsenter``) and goes through the same launcher: chroot into the container's
+overlay, its working dir, uid and gid, its env (the caller passes the container's).
+
 Not done here (the pod runner's docstring lists the rest): PID, IPC and cgroup namespaces (the pod's
 processes see this machine's process table through /proc), capabilities beyond what dropping root to
 another uid removes, seccomp.
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["ContainerMount", "container_argv", "resolve_in_root"]
+__all__ = ["ContainerMount", "container_argv", "exec_argv", "resolve_in_root"]
 
 # $1 lower (the unpacked image), $2 upper, $3 overlay work dir, $4 merged (the container's root), $5 /dev/shm
 # size, $6 hostname, $7 read-only root (1 or 0), $8 how many mounts follow, each as (source, target inside
@@ -173,4 +177,15 @@ def container_argv(
         str(image_root), str(upper), str(work), str(merged), shm_size, hostname, "1" if read_only_root else "0",
         str(len(mounts)), *mount_args, "--",
         sys.executable, "-I", "-S", "-c", _LAUNCH, str(merged), working_dir, str(uid), str(gid), *command,
+    ]  # fmt: skip
+
+
+def exec_argv(pid: int, command: Sequence[str], *, state: Path, uid: int, gid: int, working_dir: str) -> list[str]:
+    """argv that runs ``command`` inside the running container whose process is ``pid`` and whose
+    writable layer is ``state`` (as ``container_argv`` made it): what ``kubectl exec`` and an ``exec``
+    probe do."""
+    nsenter = _tool("nsenter")
+    return [
+        nsenter, f"--target={pid}", "--mount", "--uts", "--",
+        sys.executable, "-I", "-S", "-c", _LAUNCH, str(state / "rootfs"), working_dir, str(uid), str(gid), *command,
     ]  # fmt: skip

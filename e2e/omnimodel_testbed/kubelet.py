@@ -20,18 +20,32 @@ read-only) is read-only for the process, through a read-only bind mount in its o
 Each container also gets its own empty ``/dev/shm`` there (a memory emptyDir mounted there sets its
 size), so two pods can never meet through shared memory.
 
-The pod's status is the kubelet's: Pending while init containers run (``Initialized``/``Ready`` False,
-the running one ``running``, the others ``waiting``), Running and Ready once its first container has
-started. A container that exits is ``terminated`` with its exit code, reason ``Completed``/``Error`` and
-its termination message: the file at ``terminationMessagePath`` (``/dev/termination-log``, a file per
-container here), or with ``FallbackToLogsOnError`` the tail of its log when it failed and left the
-file empty. The pod then finishes as the kubelet decides: ``restartPolicy: Never`` makes it Succeeded
-or Failed (a failed init container fails the pod, and its first container never starts), ``OnFailure``
-restarts a failed container in place with the kubelet's back-off (immediately, then 10 s doubling to
-5 min; ``restartCount`` counts), as every policy but Never does for a failed init container. So the real
-Job controller sees its pods succeed, fail and count against ``backoffLimit`` and ``podFailurePolicy``.
-When a pod goes away, its process group is stopped (SIGTERM, then SIGKILL), as a container's processes
-all end with it; so is a container's group when its process exits.
+The pod's status is the kubelet's: Pending while init containers run (``Initialized``/``Ready`` False, the
+running one ``running``, the others ``waiting``), Running once its first container has started, and Ready
+(``ContainersReady`` too) while that container is ready. Its probes (``probes.py``) decide that as the
+kubelet's prober does: a ``startupProbe`` gates the others and sets ``started``; a ``readinessProbe`` sets
+``ready`` (none: ready once started), so the real controller-manager's EndpointSlices and Deployment
+availability follow it; a ``livenessProbe`` (or startup probe) that reaches its ``failureThreshold`` has the
+container killed (``Killing`` event) and restarted. ``httpGet``, ``tcpSocket`` and ``exec`` probes run on a
+small thread pool, each failure an ``Unhealthy`` event; an ``exec`` runs inside the running container (its
+root filesystem, mount namespace, user and env: ``container.exec_argv``). A container that exits is
+``terminated`` with its exit code (128 + the signal's number when a signal ended it), reason
+``Completed``/``Error`` and its termination message: the file at ``terminationMessagePath``
+(``/dev/termination-log``, a file per container here), or with ``FallbackToLogsOnError`` the tail of its log
+when it failed and left the file empty. The pod then finishes as the kubelet decides: ``restartPolicy:
+Never`` makes it Succeeded or Failed (a failed init container fails the pod, and its first container never
+starts), ``OnFailure`` restarts a failed container in place with the kubelet's back-off (immediately, then
+10 s doubling to 5 min; ``restartCount`` counts; ``waiting``/``CrashLoopBackOff`` with the ended run as
+``lastState`` meanwhile), ``Always`` restarts it whatever its exit code, and every policy but Never restarts
+a failed init container. So the real Job controller sees its pods succeed, fail and count against
+``backoffLimit`` and ``podFailurePolicy``. A container is killed as the kubelet kills it, on a thread of its
+own: its ``lifecycle.preStop`` hook (``httpGet``, ``exec`` or ``sleep``; a failure is a
+``FailedPreStopHook`` event and the kill goes on), then SIGTERM to its process group, then SIGKILL once what
+is left of the grace period (counted from the hook's start, at least 2 s) has passed: the deletion's grace
+period, else the pod's ``terminationGracePeriodSeconds`` (a liveness kill: the probe's, else the pod's).
+kwok removes a deleted pod's object at once, so the pod is gone from the API (and its Service) while its
+container drains; its IP stays on the pod interface until the container has stopped. A container's group is
+also stopped when its process exits, as a container's processes all end with it.
 
 With an image store (``images.py``), every container runs from its image (``container.py``): pulled
 from the test bed's registry as the pod's ``imagePullPolicy`` says (``ErrImagePull``, then
@@ -44,10 +58,10 @@ command runs from ``bin_dir`` (this checkout's venv) with in-container paths rew
 host directories. Either way a container whose command is ``vllm`` (the upstream vLLM-Omni image's
 entrypoint) runs from the cached vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU
 platform plugin switched on: its upstream images cannot be pulled here, and an event says so.
-Not emulated: resource limits; probes (a container is ready once started); containers after the
-first (reported running while it runs and Completed after it); sidecar init containers
-(``restartPolicy: Always``: reported running, not run); restarts of a ``restartPolicy: Always`` pod's
-container (it stays ``terminated`` and the pod unready, so a crash shows at once); without an image, a
+Not emulated: resource limits; ``grpc`` probes and ``HTTPS`` ones (they fail, saying so); postStart
+hooks; containers after the first (reported running, ready and Completed as it is; their probes and hooks
+are not run); sidecar init containers (``restartPolicy: Always``: reported running, not run); a deleted
+pod kept in the API, Terminating, until its containers stopped (kwok deletes it at once); without an image, a
 path the program names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded
 in a program is the host's); pods that existed before the runner served the namespace (kwok plays
 them, nothing runs).
@@ -68,7 +82,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +90,11 @@ from typing import Any, Final
 
 from . import podstatus as ps
 from . import volumes as pv
-from .container import ContainerMount, container_argv
+from .container import ContainerMount, container_argv, exec_argv
 from .images import Image, ImagePullError, ImageStore, image_user
 from .kubeapi import ApiError, KubeAPI
 from .netns import POD_INTERFACE
+from .probes import ContainerProbes, HandlerTarget, run_handler
 from .runnerpods import RUNNER_LABEL, serve_namespace
 from .shm import DEFAULT_SHM_SIZE, private_shm_argv
 from .vllm_omni import VLLM_OMNI_CPU_ENV
@@ -94,6 +109,10 @@ TERMINATION_LOG: Final = "/dev/termination-log"
 #: The kubelet's restart back-off: the first restart at once, then 10 s, doubled per restart, at most 5 min.
 RESTART_BACKOFF: Final = 10.0
 MAX_RESTART_BACKOFF: Final = 300.0
+#: The pod's grace period when its spec names none, and the least a container gets after its preStop hook
+#: (the kubelet's ``minimumGracePeriodInSeconds``).
+DEFAULT_GRACE: Final = 30.0
+MIN_GRACE: Final = 2.0
 #: Volume sources the kubelet always mounts read-only.
 READ_ONLY_SOURCES: Final = ("configMap", "secret", "projected", "downwardAPI")
 
@@ -176,6 +195,10 @@ class PodProcess:
     #: Where this run's output begins in ``log_path`` (a restarted container appends to its log).
     log_offset: int = 0
     started_at: str = ""
+    #: Where its probes and hooks go, and how a command runs inside it (``exec``).
+    target: HandlerTarget | None = None
+    #: When it started (monotonic seconds): probes count their initial delay from here.
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -205,6 +228,8 @@ class _PodRun:
     #: When a pull that had to fetch began (monotonic), per container: the Pulled event says how long it took.
     pulling: dict[str, float] = field(default_factory=dict)
     image_ids: dict[str, str] = field(default_factory=dict)
+    #: The probes of the first container's current run (none while it is not running).
+    probes: ContainerProbes | None = None
 
     @property
     def name(self) -> str:
@@ -312,6 +337,11 @@ class PodRunner:
         # What the kubelet puts in every container's environment for the ``kubernetes`` Service.
         self.service_env = dict(service_env or {})
         self._pull_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"pull-{namespace}")
+        # Probes run here, a few at a time, so a slow one (its timeout) holds up neither the sync nor the rest.
+        self._probe_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"probe-{namespace}")
+        # Containers being killed (a deleted pod's, a liveness failure's): each on a thread of its own, since
+        # a preStop hook and the grace period after it may take as long as the pod's grace period.
+        self._killers: list[threading.Thread] = []
         self.pods: dict[str, _PodRun] = {}
         #: Names of the pods whose first container started, in order.
         self.started: list[str] = []
@@ -344,8 +374,16 @@ class PodRunner:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(run.process.proc.pid, signal.SIGTERM)
             for run in runs:
-                self._forget(run)
+                if run.process is not None:
+                    self._terminate(run.process)
+                if not run.finished:
+                    pod_address(run.ip, add=False)
             self.pods.clear()
+            # Kills under way see the stop (a sleep hook ends) and their process already signalled.
+            for killer in self._killers:
+                killer.join(timeout=20)
+            self._killers.clear()
+            self._probe_pool.shutdown(wait=False, cancel_futures=True)
             for name in self.bound_volumes:
                 try:
                     pv.release(self.api, name)
@@ -375,9 +413,14 @@ class PodRunner:
             self._bind_claims()
         pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods").get("items", [])
         ours = {}
+        # Pods being deleted, with the grace period their deletion gave (kwok removes them at once, so a
+        # pod is more often just gone: then its spec's terminationGracePeriodSeconds applies).
+        deleting: dict[str, float] = {}
         for pod in pods:
             meta, status = pod["metadata"], pod.get("status") or {}
             if meta.get("deletionTimestamp"):
+                if meta.get("deletionGracePeriodSeconds") is not None:
+                    deleting[meta["uid"]] = float(meta["deletionGracePeriodSeconds"])
                 continue
             if RUNNER_LABEL not in (meta.get("labels") or {}):
                 if status.get("phase") == "Running" and meta["uid"] not in self._unserved:
@@ -389,9 +432,10 @@ class PodRunner:
             if status.get("podIP"):
                 ours[meta["uid"]] = pod
         with self._lock:
+            self._killers = [k for k in self._killers if k.is_alive()]
             for uid, gone in list(self.pods.items()):
                 if uid not in ours:
-                    self._forget(gone)
+                    self._forget(gone, deleting.get(uid))
                     del self.pods[uid]
             for uid, pod in ours.items():
                 try:
@@ -451,14 +495,15 @@ class PodRunner:
         if run.process is not None:
             code = run.process.proc.poll()
             if code is None:
+                if run.probes is not None:
+                    self._probe(run, run.process)
                 return
-            self._exited(run, run.process, code)
-            run.process = None
+            # Killed by a signal: the runtime's exit code is 128 + the signal's number.
+            self._exited(run, run.process, 128 - code if code < 0 else code)
+            run.process, run.probes = None, None
             run.dirty = True
         if run.finished or (run.restart_at is not None and time.monotonic() < run.restart_at):
             return
-        if run.at_main and run.main is not None and run.restart_at is None:
-            return  # an Always pod's container that exited: not restarted (see the module docstring)
         self._start_next(run)
 
     def _start_next(self, run: _PodRun) -> None:
@@ -478,21 +523,65 @@ class PodRunner:
             )  # fmt: skip
         proc = self._start(run.pod, container, run.volumes, run.root, init=not run.at_main, image=image)
         run.process, run.restart_at, run.dirty = proc, None, True
-        previous = run.statuses[name]
-        run.statuses[name] = ps.container_status(
-            container,
-            ps.running(proc.started_at),
-            ready=run.at_main,  # no probes: ready once started; an init container never is
-            restart_count=run.restarts.get(name, 0),
-            last_state=previous.get("lastState"),
-        )
+        if run.at_main:
+            run.probes = ContainerProbes.of(container, proc.started)
+        self._running_status(run, proc)
         if run.at_main:
             run.main, run.phase = proc, "Running"
-            self._others(run, ps.running(proc.started_at), ready=True)
             if run.restarts.get(name, 0) == 0:
                 self.started.append(run.name)
         if self.on_start is not None:
             self.on_start(proc)
+
+    def _running_status(self, run: _PodRun, proc: PodProcess) -> None:
+        """The running container's status: ``started`` and ``ready`` as its probes say (an init container is
+        never ready); the containers after the first say what it says."""
+        container = run.order[run.step]
+        name = container["name"]
+        started = run.probes.started if run.probes is not None else True
+        ready = run.probes.ready if run.probes is not None else False
+        previous = run.statuses[name]
+        run.statuses[name] = ps.container_status(
+            container,
+            ps.running(proc.started_at),
+            ready=ready,
+            started=started,
+            restart_count=run.restarts.get(name, 0),
+            last_state=previous.get("lastState"),
+        )
+        if run.at_main:
+            self._others(run, ps.running(proc.started_at), ready=ready)
+
+    # ------------------------------------------------------------------------------------------ probes
+    def _probe(self, run: _PodRun, proc: PodProcess) -> None:
+        """Collect the probes that finished (their results may change the container's status, or have it
+        killed), then start the ones that are due, on the probe pool."""
+        probes = run.probes
+        assert probes is not None and proc.target is not None
+        container = run.order[run.step]
+        now = time.monotonic()
+        for kind, future in list(probes.pending.items()):
+            if not future.done():
+                continue
+            del probes.pending[kind]
+            prober = probes.get(kind)
+            ok, message = future.result()
+            if not ok:
+                self._event(run, container, "Warning", "Unhealthy", f"{kind} probe failed: {message}".rstrip())
+            outcome = probes.record(prober, ok, time.monotonic())
+            if outcome.changed:
+                self._running_status(run, proc)
+                run.dirty = True
+                log.info("pod %s: %s started=%s ready=%s", run.name, proc.container, probes.started, probes.ready)
+            if outcome.kill:
+                self._event(
+                    run, container, "Normal", "Killing",
+                    f"Container {proc.container} failed {kind.lower()} probe, will be restarted",
+                )  # fmt: skip
+                grace = prober.spec.get("terminationGracePeriodSeconds")
+                self._kill_async(run, proc, container, self._grace(run) if grace is None else float(grace))
+        for prober in probes.due(now):
+            probes.pending[prober.kind] = self._probe_pool.submit(run_handler, prober.spec, proc.target, prober.timeout)
 
     # ------------------------------------------------------------------------------------------ images
     def _pulled(self, run: _PodRun, container: Mapping[str, Any]) -> Image | None:
@@ -613,7 +702,8 @@ class PodRunner:
             else:
                 self._others(run, ps.terminated(0, "", proc.started_at, ps.now()))
             pod_address(run.ip, add=False)
-        elif init or policy == "OnFailure":
+        else:
+            # Restarted in place (OnFailure, Always, and a failed init container of either) after the back-off.
             restarts += 1
             run.restarts[name] = restarts
             delay = 0.0 if restarts == 1 else min(RESTART_BACKOFF * 2 ** (restarts - 2), MAX_RESTART_BACKOFF)
@@ -623,11 +713,8 @@ class PodRunner:
             )
             run.statuses[name] = ps.container_status(container, waiting, restart_count=restarts, last_state=state)
             log.info("pod %s: %s %s restarts in %.0fs (restart %d)", run.name, kind, name, delay, restarts)
-        else:
-            # restartPolicy Always: the kubelet would restart it; here it stays terminated and the pod unready.
-            run.statuses[name] = ps.container_status(container, state, restart_count=restarts)
-            self._others(run, ps.terminated(0, "", proc.started_at, ps.now()))
-            log.warning("pod %s: container %s exited with %d and is not restarted", run.name, name, code)
+            if not init:
+                self._others(run, waiting)
 
     def _others(self, run: _PodRun, state: JSON, *, ready: bool = False) -> None:
         """Containers after the first are not run: they report what the first one does."""
@@ -656,10 +743,58 @@ class PodRunner:
                 raise
         run.conditions, run.dirty = status["conditions"], False
 
-    def _forget(self, run: _PodRun) -> None:
-        if run.process is not None:
-            self._terminate(run.process)
-        if not run.finished:
+    def _forget(self, run: _PodRun, grace: float | None = None) -> None:
+        """The pod went away: its running container is killed as the kubelet kills it (``_kill``), with the
+        deletion's grace period (else the spec's); its IP goes once it has stopped."""
+        process, run.process = run.process, None
+        if process is None or process.proc.poll() is not None:
+            if process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.proc.pid, signal.SIGKILL)  # what it left behind
+            if not run.finished:
+                pod_address(run.ip, add=False)
+            return
+        self._kill_async(run, process, run.order[run.step], self._grace(run) if grace is None else grace, gone=True)
+
+    @staticmethod
+    def _grace(run: _PodRun) -> float:
+        value = run.spec.get("terminationGracePeriodSeconds")
+        return DEFAULT_GRACE if value is None else float(value)
+
+    def _kill_async(
+        self, run: _PodRun, proc: PodProcess, container: Mapping[str, Any], grace: float, *, gone: bool = False
+    ) -> None:
+        killer = threading.Thread(
+            target=self._kill, args=(run, proc, container, grace, gone), name=f"kill-{run.name}", daemon=True
+        )
+        self._killers.append(killer)
+        killer.start()
+
+    def _kill(self, run: _PodRun, proc: PodProcess, container: Mapping[str, Any], grace: float, gone: bool) -> None:
+        """Kill one container as the kubelet does: its ``preStop`` hook first (bounded by the grace period),
+        then SIGTERM, then SIGKILL once what is left of the grace period (at least 2 s) has passed. A hook
+        that fails is a ``FailedPreStopHook`` event, and the kill goes on. ``gone``: the pod was deleted, so
+        its IP goes too once the container has stopped."""
+        begin = time.monotonic()
+        name = container["name"]
+        if gone:
+            self._event(run, container, "Normal", "Killing", f"Stopping container {name}")
+        hook = (container.get("lifecycle") or {}).get("preStop")
+        if hook and grace > 0 and proc.target is not None and proc.proc.poll() is None:
+            log.info("pod %s: running the preStop hook of container %s", run.name, name)
+            ok, message = run_handler(hook, proc.target, grace, hook=True, stop=self._stop)
+            if not ok:
+                meta = run.pod["metadata"]
+                what = "Exec" if "exec" in hook else "HTTP" if "httpGet" in hook else "Lifecycle"
+                detail = (hook.get("exec") or {}).get("command") or (hook.get("httpGet") or {}).get("path", "")
+                self._event(
+                    run, container, "Warning", "FailedPreStopHook",
+                    f'{what} lifecycle hook ({detail}) for Container "{name}" in Pod '
+                    f'"{meta["name"]}_{self.namespace}({meta["uid"]})" failed - error: {message}',
+                )  # fmt: skip
+                log.warning("pod %s: preStop hook of container %s failed: %s", run.name, name, message)
+        self._terminate(proc, grace=max(grace - (time.monotonic() - begin), MIN_GRACE))
+        if gone and not run.finished:
             pod_address(run.ip, add=False)
 
     # --------------------------------------------------------------------------------------- launch
@@ -822,7 +957,13 @@ class PodRunner:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
             env.update(VLLM_OMNI_CPU_ENV)
 
-        return self._spawn(pod, container, root, private_shm_argv(argv, shm_size(pod), read_only), argv, env, init)
+        def enter(_pid: int, command: Sequence[str]) -> list[str]:
+            # No image: a command runs here as the container's does, its in-container paths rewritten.
+            return [command[0], *(host_path(a) for a in command[1:])]
+
+        return self._spawn(
+            pod, container, root, private_shm_argv(argv, shm_size(pod), read_only), argv, env, init, enter
+        )
 
     def _spawn(
         self,
@@ -833,7 +974,10 @@ class PodRunner:
         argv: list[str],
         env: Mapping[str, str],
         init: bool,
+        enter: Callable[[int, Sequence[str]], list[str]],
     ) -> PodProcess:
+        """Start the container's process; ``enter(pid, command)`` is the argv that runs a command inside it
+        (an ``exec`` probe or hook)."""
         meta = pod["metadata"]
         ip = pod["status"]["podIP"]
         # The first container's log keeps its old name (README and suites point at it).
@@ -846,7 +990,11 @@ class PodRunner:
             )
         what = f"init container {container['name']} of pod" if init else "pod"
         log.info("started %s %s (%s) as pid %d: %s", what, meta["name"], ip, proc.pid, " ".join(argv))
-        return PodProcess(meta["name"], meta["uid"], ip, proc, log_path, argv, container["name"], offset, ps.now())
+        ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports") or [] if p.get("name")}
+        target = HandlerTarget(ip, ports, lambda command: enter(proc.pid, command), dict(env), str(root))
+        return PodProcess(
+            meta["name"], meta["uid"], ip, proc, log_path, argv, container["name"], offset, ps.now(), target
+        )
 
     def _container_env(self, pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
         """The container's own ``env``, in order, ``$(VAR)`` references expanded as the kubelet does."""
@@ -936,6 +1084,7 @@ class PodRunner:
             raise ValueError(f"container {name} has runAsNonRoot and image will run as root")
         state = root / "containers" / name
         shutil.rmtree(state, ignore_errors=True)  # a new container's writable layer starts empty
+        working_dir = container.get("workingDir") or image.working_dir
         full_argv = container_argv(
             argv,
             image_root=image.rootfs,
@@ -945,13 +1094,17 @@ class PodRunner:
             shm_size=shm_size(pod),
             uid=uid,
             gid=gid,
-            working_dir=container.get("workingDir") or image.working_dir,
+            working_dir=working_dir,
             read_only_root=bool(context.get("readOnlyRootFilesystem")),
         )
-        return self._spawn(pod, container, root, full_argv, argv, env, init)
+
+        def enter(pid: int, command: Sequence[str]) -> list[str]:
+            return exec_argv(pid, command, state=state, uid=uid, gid=gid, working_dir=working_dir)
+
+        return self._spawn(pod, container, root, full_argv, argv, env, init, enter)
 
     @staticmethod
-    def _terminate(pod: PodProcess) -> None:
+    def _terminate(pod: PodProcess, grace: float = 15.0) -> None:
         # The group is the session the pod's process leads (start_new_session): the process and every child
         # it left in it (engine cores, workers), and nothing else. A leader that already exited may leave
         # children behind, so the group is signalled even then.
@@ -963,7 +1116,7 @@ class PodRunner:
 
         signal_group(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            pod.proc.wait(timeout=15)
+            pod.proc.wait(timeout=grace)
         signal_group(signal.SIGKILL)
         if pod.proc.poll() is None:
             pod.proc.wait(timeout=5)

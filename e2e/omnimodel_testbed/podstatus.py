@@ -70,16 +70,19 @@ def container_status(
     state: JSON,
     *,
     ready: bool = False,
+    started: bool = True,
     restart_count: int = 0,
     last_state: JSON | None = None,
 ) -> JSON:
+    """One container's status; ``started`` (its startup probe has succeeded, or it has none) counts only
+    while it runs."""
     return {
         "name": container["name"],
         "image": container.get("image", ""),
         # The pod runner sets it once the image is pulled (kubelet._write_status).
         "imageID": "",
         "ready": ready,
-        "started": "running" in state,
+        "started": "running" in state and started,
         "restartCount": restart_count,
         "state": state,
         "lastState": last_state or {},

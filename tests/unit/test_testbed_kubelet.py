@@ -23,6 +23,7 @@ class FakeKube:
         self.pods = {p["metadata"]["name"]: p for p in pods}
         self.claims = claims or []
         self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[dict[str, Any]] = []
 
     def get(self, path: str) -> dict[str, Any]:
         if path == "/api/v1/namespaces/ns/pods":
@@ -32,6 +33,14 @@ class FakeKube:
         if path.startswith("/api/v1/namespaces/ns/persistentvolumeclaims/"):
             raise ApiError("GET", path, 404, "not bound here: the runner's own directory for the claim")
         raise AssertionError(f"unexpected API call GET {path}")
+
+    def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        assert path == "/api/v1/namespaces/ns/events", path
+        self.events.append(obj)
+        return obj
+
+    def reasons(self) -> list[str]:
+        return [f"{e['reason']}: {e['message']}" for e in self.events]
 
     def patch(self, path: str, patch: dict[str, Any], *, strategic: bool = False) -> dict[str, Any]:
         name = path.removeprefix("/api/v1/namespaces/ns/pods/").removesuffix("/status")
@@ -338,3 +347,135 @@ def test_a_tmp_volume_is_the_containers_tmpdir(tmp_path: Path) -> None:
     assert Path(resolved) == (tmp_path / "pods" / "tmp" / "volumes" / "tmp").resolve()
     # Short, as /tmp is in a container: a Unix socket under it (vLLM's ZMQ IPC) fits in 107 bytes.
     assert len(f"{tmpdir}/5c978b73-5228-4388-b3f5-6c07924a8bdc") <= 107
+
+
+def sync_until(
+    r: PodRunner, api: FakeKube, name: str, done: Callable[[dict[str, Any]], Any], timeout: float = 20
+) -> Any:
+    """Sync ``r`` (as its loop does every 0.3 s) until ``done`` holds for the pod's status; return its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r.sync()
+        value = done(api.pods[name]["status"])
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"pod {name} never got there: {api.pods[name]['status']}")
+
+
+def main_status(status: dict[str, Any]) -> dict[str, Any]:
+    statuses: list[dict[str, Any]] = status.get("containerStatuses") or [{}]
+    return statuses[0]
+
+
+def condition(status: dict[str, Any], type_: str) -> str:
+    return next((c["status"] for c in status.get("conditions") or [] if c["type"] == type_), "")
+
+
+def test_a_readiness_probe_keeps_the_pod_unready_until_it_passes(tmp_path: Path) -> None:
+    flag = tmp_path / "ready"
+    probe = {"exec": {"command": ["test", "-f", str(flag)]}, "periodSeconds": 1}
+    api = FakeKube(runner_pod("web", ["sleep", "60"], container={"readinessProbe": probe}))
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        sync_until(r, api, "web", lambda s: "Readiness probe failed: " in "".join(api.reasons()))
+        status = api.pods["web"]["status"]
+        assert "running" in main_status(status)["state"] and not main_status(status)["ready"]
+        assert (condition(status, "ContainersReady"), condition(status, "Ready")) == ("False", "False")
+        flag.touch()
+        sync_until(r, api, "web", lambda s: condition(s, "Ready") == "True")
+        assert main_status(api.pods["web"]["status"])["ready"]
+    finally:
+        r.stop()
+
+
+def test_a_liveness_failure_kills_and_restarts_an_always_container(tmp_path: Path) -> None:
+    tries = tmp_path / "tries"
+    probe = {"exec": {"command": ["test", "-f", str(tmp_path / "alive")]}, "periodSeconds": 1, "failureThreshold": 2}
+    p = runner_pod("stuck", ["sh", "-c", f"echo x >> {tries}; exec sleep 60"], container={"livenessProbe": probe})
+    api = FakeKube(p)
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        main = sync_until(r, api, "stuck", lambda s: main_status(s).get("restartCount") == 1 and main_status(s))
+        assert main["lastState"]["terminated"]["exitCode"] == 143  # SIGTERM: 128 + 15
+        assert "Killing: Container main failed liveness probe, will be restarted" in api.reasons()
+        assert api.reasons().count("Unhealthy: Liveness probe failed: command ['test', '-f', "
+                                   f"'{tmp_path / 'alive'}'] exited with 1") >= 2  # fmt: skip
+        # Started again: the command ran a second time.
+        sync_until(r, api, "stuck", lambda s: "running" in main_status(s)["state"] and tries.read_text() == "x\nx\n")
+    finally:
+        r.stop()
+
+
+def test_an_always_container_that_crashes_is_restarted_with_back_off(tmp_path: Path) -> None:
+    api = FakeKube(runner_pod("crash", ["sh", "-c", "echo boom > $0; exit 1", "/dev/termination-log"]))
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        # The first restart comes at once, the second after 10 s: meanwhile CrashLoopBackOff.
+        main = sync_until(r, api, "crash", lambda s: main_status(s).get("restartCount") == 2 and main_status(s))
+        assert main["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+        assert "back-off 10s" in main["state"]["waiting"]["message"]
+        ended = main["lastState"]["terminated"]
+        assert (ended["exitCode"], ended["reason"], ended["message"]) == (1, "Error", "boom\n")
+        assert condition(api.pods["crash"]["status"], "Ready") == "False"
+        assert api.pods["crash"]["status"]["phase"] == "Running"
+    finally:
+        r.stop()
+
+
+def _trapping(out: Path, *, on_term: str = "exit 0") -> list[str]:
+    """A container that notes its SIGTERM in ``out``, then does ``on_term``."""
+    return ["sh", "-c", f'trap "echo TERM >> {out}; {on_term}" TERM; echo up >> {out}; while :; do sleep 0.1; done']
+
+
+def test_a_deleted_pods_prestop_hook_runs_before_its_sigterm(tmp_path: Path) -> None:
+    out = tmp_path / "order"
+    hook = {"exec": {"command": ["sh", "-c", f"sleep 0.5; echo hook >> {out}"]}}
+    api = FakeKube(runner_pod("drain", _trapping(out), container={"lifecycle": {"preStop": hook}}))
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        sync_until(r, api, "drain", lambda s: out.exists())
+        del api.pods["drain"]  # deleted (kwok removes the object at once)
+        r.sync()
+        deadline = time.monotonic() + 20
+        while out.read_text().count("\n") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.read_text() == "up\nhook\nTERM\n"
+        assert "Killing: Stopping container main" in api.reasons()
+    finally:
+        r.stop()
+
+
+def test_a_failed_prestop_hook_is_an_event_and_the_grace_period_counts_from_the_hook(tmp_path: Path) -> None:
+    out = tmp_path / "order"
+    # The hook fails at once; the second container's hook sleeps past the grace period, which bounds it.
+    failing = {"exec": {"command": ["sh", "-c", "echo no drain; exit 3"]}}
+    api = FakeKube(
+        runner_pod("fail", _trapping(out), container={"lifecycle": {"preStop": failing}}),
+        runner_pod(
+            "slow",
+            _trapping(tmp_path / "slow", on_term="true"),  # ignores SIGTERM: SIGKILL ends it
+            terminationGracePeriodSeconds=1,
+            container={"lifecycle": {"preStop": {"sleep": {"seconds": 60}}}},
+        ),
+    )
+    api.pods["slow"]["status"]["podIP"] = "127.0.0.10"
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        sync_until(r, api, "fail", lambda s: out.exists() and (tmp_path / "slow").exists())
+        slow = r.processes("slow")[0].proc
+        del api.pods["fail"], api.pods["slow"]
+        begin = time.monotonic()
+        r.sync()
+        deadline = begin + 20
+        while (slow.poll() is None or "TERM" not in out.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        took = time.monotonic() - begin
+        assert out.read_text() == "up\nTERM\n"
+        assert slow.returncode == -9, slow.returncode  # SIGKILLed after what was left of its grace (2 s at least)
+        assert 2.5 < took < 10, took  # 1 s of hook (its grace period), then the kubelet's least 2 s
+        (failed,) = [m for m in api.reasons() if m.startswith("FailedPreStopHook")]
+        assert "Exec lifecycle hook (['sh', '-c', 'echo no drain; exit 3']) for Container \"main\"" in failed
+        assert failed.endswith("failed - error: no drain\n")
+    finally:
+        r.stop()
