@@ -14,6 +14,9 @@ own modules load, and then only adds; no request path changes unless a replica i
   the kubelet's SIGTERM, which makes the replica send DOWN and the head detach it: 0.30 fails whatever is
   still bound to a replica it detaches ("stage replica disappeared"), so draining first is what keeps a
   scale-down from failing requests.
+
+And one fix of a vLLM-Omni 0.30.0 bug (``_patch_diffusion_client``): detaching a diffusion replica whose
+process is already gone froze the head for good.
 """
 
 from __future__ import annotations
@@ -103,6 +106,31 @@ def _wrap_pool(module: ModuleType) -> None:
     cls._collect_serviceable_replicas = _collect_serviceable_replicas
 
 
+def _patch_diffusion_client(module: ModuleType) -> None:
+    """vLLM-Omni 0.30.0: ``MembershipController._detach_replica`` calls ``StageDiffusionClient.shutdown()``
+    on the orchestrator's event loop, and that first sends a ``shutdown`` message on the client's ZMQ PUSH
+    socket with a blocking ``send``. A PUSH socket whose only peer has disconnected is mute: the send waits
+    for a peer that never comes, and every request of the head waits behind it. That is the case whenever
+    the replica's process is gone before the head detaches it: a replica that got SIGTERM sends DOWN and
+    exits at once (on the test bed a 3 -> 1 scale-down froze the head so: py-spy showed its orchestrator
+    thread in this send), and one that died is detached 30 s after its last heartbeat. LLM stages' clients
+    (vLLM's) close their sockets without sending: only diffusion stages froze. The message is a courtesy to
+    a peer that would then stop: sent without waiting, it still reaches a replica that listens, and is
+    dropped (``zmq.Again``, which ``shutdown`` already ignores) for one that left."""
+    import zmq  # noqa: PLC0415  (vLLM-Omni's own dependency)
+
+    cls = module.StageDiffusionClient
+    shutdown: Callable[[Any], None] = cls.shutdown
+
+    def nonblocking_shutdown(self: Any) -> None:
+        socket = getattr(self, "_request_socket", None)
+        if socket is not None and not socket.closed:
+            socket.setsockopt(zmq.SNDTIMEO, 0)
+        shutdown(self)
+
+    cls.shutdown = nonblocking_shutdown
+
+
 def _wrap_master(module: ModuleType) -> None:
     cls = module.OmniMasterServer
     init: Callable[..., None] = cls.__init__
@@ -130,6 +158,7 @@ def _add_routes(module: ModuleType) -> None:
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "vllm_omni.engine.stage_pool": _wrap_pool,
     "vllm_omni.engine.stage_engine_startup": _wrap_master,
+    "vllm_omni.diffusion.stage_diffusion_client": _patch_diffusion_client,
     "vllm_omni.entrypoints.openai.api_server": _add_routes,
 }
 
