@@ -27,7 +27,8 @@ running request over per-request KV cache slots, with Qwen3's query/key norms):
 - **code2wav** (:class:`Qwen3Code2WavEngine`): ``Qwen3OmniMoeCode2Wav`` (codes -> 24 kHz waveform, no
   randomness). Whole path (non-streamed requests): ``chunked_decode(codes, 300, 25)`` as the whole model;
   streamed: chunks of ``stream_chunk`` codes as they arrive, each with ``left_context`` codes before it and
-  one after, joined without gaps (within 1 LSB of one pass; see :data:`STREAM_CHUNK`).
+  one after, joined without gaps (within 1 LSB of one pass; see :data:`STREAM_CHUNK`). Batched, the ready
+  chunks of several streams with windows of one length run as one pass.
 
 Video input is Qwen2.5-Omni's (:mod:`.video`, :mod:`.inputs`): the same video processor class, with
 Qwen3's sizes and time positions from its processor. Frame layouts: docs/pipelines/qwen3-omni.md.

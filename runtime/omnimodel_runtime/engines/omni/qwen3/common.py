@@ -76,13 +76,6 @@ def lend_audio_config(talker: Any, config: Any) -> None:
         talker.config.audio_config = config.thinker_config.audio_config
 
 
-def one_at_a_time(engine: OmniEngine) -> None:
-    """An engine that serves one request at a time (Qwen3-Omni's code2wav: its batching is not implemented)."""
-    if engine.batched:
-        log.warning("Stage %s serves one request at a time: batching is not implemented for it", engine.stage.name)
-        engine.batched = False
-
-
 def moe_experts(engine: OmniEngine, model: Any) -> None:
     """``engine_args.moe``: ``grouped`` (the default on accelerators) runs ``model``'s experts through
     grouped products (:mod:`..moe`), ``loop`` keeps transformers' loop over experts, which is the default on
