@@ -3,7 +3,8 @@
 # transformers, numpy, aiohttp, httpx; the rest travels as wheels in dist/whl, see bench/README.md).
 #   bash bench/h200.sh omni-ladder omni3   (issue 39: Qwen2.5-Omni 7B sizes as three stage processes at 1,4,16,64
 #     concurrent streams, then Qwen3-Omni 30B-A3B sizes batched in one process at 1 and 16; OMNI_SIZE / OMNI3_SIZE=tiny,
-#     OMNI_DEVICE=cpu, OMNI_LADDER, OMNI3_LADDER and OMNI_SKIP_WHEELS=1 rehearse it on a CPU at tiny size)
+#     OMNI_DEVICE=cpu, OMNI_LADDER, OMNI3_LADDER and OMNI_SKIP_WHEELS=1 rehearse it on a CPU at tiny size; OMNI_HF=0
+#     skips the whole-model baseline; every level records each stage's busy fraction and batch, see bench/README.md)
 #   bash bench/h200.sh omni text t2i      (vae: Qwen-Image's VAE with and without vae_2d; omni-parts / omni-timeline / t2i-parts / t2i-kernels: where a stream's / a Qwen-Image request's time goes; sdpa: what a new prompt length costs each attention kernel; each section builds its random-weight model into /dev/shm first)
 # Results land in $OUT (the device tool's output folder), one JSON per section plus the processes' logs.
 set -uo pipefail
@@ -47,7 +48,8 @@ for section in "$@"; do
       # Qwen3-Omni 30B-A3B sizes (~70 GB of bf16 weights) in one process on one GPU, MoE through grouped
       # products (engine_args.moe's default on CUDA). Batched as omni-ladder's Qwen2.5 stages: the thinker
       # and talker decode every stream in one step over 16 slots of 2048 positions (the bench's prompts plus
-      # 48 text tokens and its codes; 3.2 GB of thinker cache), CUDA graphs per (rows, length) bucket;
+      # 48 text tokens and its codes; 3.2 GB of thinker cache), CUDA graphs per (rows, length) bucket, and
+      # code2wav voices up to 16 streams' chunks in one pass;
       # batching=true is the default on CUDA, named so that a CPU rehearsal takes the same path. The 7B build
       # leaves /dev/shm first: host memory holds one of them, not both beside three processes.
       size=${OMNI3_SIZE:-qwen3-omni-30b-a3b}; model=/dev/shm/omni3-$size
