@@ -54,27 +54,39 @@ def vllm_components(
 
 def registered_only(state: ComponentState, pods: Sequence[Manifest], members: StageMembers) -> ComponentState:
     """A ready replica pod counts only when the head has it registered (its probes say the same where the
-    kubelet runs them). One the head detached while it runs is lost capacity (Degraded names the stage);
-    one not registered yet is still starting."""
-    ready = [p for p in pods if _pod_ready(p) and is_replica_pod(p)]  # the head's own replica is the head
-    lost = [p for p in ready if (p.get("status") or {}).get("podIP") in members.lost]
-    unregistered = [p for p in ready if (p.get("status") or {}).get("podIP") not in members.registered]
-    if not unregistered:
+    kubelet runs them). One the head detached while it runs is lost capacity (Degraded names the stage),
+    whether or not its readiness probe has already taken it out; one not registered yet is still starting."""
+    running = [p for p in pods if is_replica_pod(p) and not p["metadata"].get("deletionTimestamp")]
+    lost = [p for p in running if _ip(p) in members.lost]
+    # The head's own replica is the head: only replica pods need the head's word.
+    unregistered = [p for p in running if _pod_ready(p) and _ip(p) not in members.registered]
+    if not unregistered and not lost:
         return state
-    names = ", ".join(sorted(p["metadata"]["name"] for p in unregistered))
     n = len(unregistered)
+    messages = [state.message] if state.message else []
     if lost:
-        message = f"{state.name}: {len(lost)} replica(s) detached by the vLLM-Omni head: {names}"
-    else:
-        message = f"{state.name}: {n} replica(s) not registered with the vLLM-Omni head yet: {names}"
+        messages.append(f"{state.name}: {len(lost)} replica(s) detached by the vLLM-Omni head: {_names(lost)}")
+    starting = [p for p in unregistered if p not in lost]
+    if starting:
+        messages.append(
+            f"{state.name}: {len(starting)} replica(s) not registered with the vLLM-Omni head yet: {_names(starting)}"
+        )
     return dataclasses.replace(
         state,
         ready=max(state.ready - n, 0),
         available=max(state.available - n, 0),
         reason=cond.PODS_NOT_READY if lost else (state.reason or cond.UPDATING),
-        message="; ".join(m for m in (state.message, message) if m),
+        message="; ".join(messages),
         degraded=state.degraded or bool(lost),
     )
+
+
+def _ip(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("status") or {}).get("podIP")
+
+
+def _names(pods: Sequence[Manifest]) -> str:
+    return ", ".join(sorted(p["metadata"]["name"] for p in pods))
 
 
 def _pod_ready(pod: Mapping[str, Any]) -> bool:

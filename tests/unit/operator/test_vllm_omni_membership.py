@@ -47,6 +47,12 @@ def test_a_detached_replica_is_lost_and_degrades_its_stage() -> None:
     state = registered_only(rolled_out, pods, one.stages["dit"])
     assert (state.ready, state.available, state.degraded, state.reason) == (1, 1, True, "PodsNotReady")
     assert state.message == "dit: 1 replica(s) detached by the vLLM-Omni head: a"
+    # Where the kubelet runs probes, the detached pod's readiness has taken it out already: still lost.
+    unready = {**pods[0], "status": {**pods[0]["status"], "conditions": [{"type": "Ready", "status": "False"}]}}
+    probed = ComponentState("dit", desired=2, ready=1, updated=2, available=1, reason="PodsNotReady")
+    state = registered_only(probed, [unready, pods[1]], one.stages["dit"])
+    assert (state.ready, state.available, state.degraded) == (1, 1, True)
+    assert state.message == "dit: 1 replica(s) detached by the vLLM-Omni head: a"
 
 
 def test_a_replica_not_registered_yet_is_starting_not_lost() -> None:
