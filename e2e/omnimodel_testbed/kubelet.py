@@ -42,10 +42,12 @@ a failed init container. So the real Job controller sees its pods succeed, fail 
 own: its ``lifecycle.preStop`` hook (``httpGet``, ``exec`` or ``sleep``; a failure is a
 ``FailedPreStopHook`` event and the kill goes on), then SIGTERM to its process group, then SIGKILL once what
 is left of the grace period (counted from the hook's start, at least 2 s) has passed: the deletion's grace
-period, else the pod's ``terminationGracePeriodSeconds`` (a liveness kill: the probe's, else the pod's).
-kwok removes a deleted pod's object at once, so the pod is gone from the API (and its Service) while its
-container drains; its IP stays on the pod interface until the container has stopped. A container's group is
-also stopped when its process exits, as a container's processes all end with it.
+period, else the pod's ``terminationGracePeriodSeconds`` (a liveness kill: the probe's, else the pod's). A
+deleted pod stays in the API, Terminating (its EndpointSlice entry says so), while its container stops: kwok
+leaves it to the runner until its grace period is over (``runnerpods.py``). Then the runner removes it
+(grace period 0, its uid as precondition), and its IP goes. A pod force-deleted is stopped the same way,
+with its spec's grace period. A container's group is also stopped when its process exits, as a container's
+processes all end with it.
 
 With an image store (``images.py``), every container runs from its image (``container.py``): pulled
 from the test bed's registry as the pod's ``imagePullPolicy`` says (``ErrImagePull``, then
@@ -58,13 +60,12 @@ command runs from ``bin_dir`` (this checkout's venv) with in-container paths rew
 host directories. Either way a container whose command is ``vllm`` (the upstream vLLM-Omni image's
 entrypoint) runs from the cached vLLM-Omni CPU environment (``omnimodel_testbed.vllm_omni``) with the CPU
 platform plugin switched on: its upstream images cannot be pulled here, and an event says so.
-Not emulated: resource limits; ``grpc`` probes and ``HTTPS`` ones (they fail, saying so); postStart
-hooks; containers after the first (reported running, ready and Completed as it is; their probes and hooks
-are not run); sidecar init containers (``restartPolicy: Always``: reported running, not run); a deleted
-pod kept in the API, Terminating, until its containers stopped (kwok deletes it at once); without an image, a
-path the program names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded
-in a program is the host's); pods that existed before the runner served the namespace (kwok plays
-them, nothing runs).
+Not emulated: resource limits; ``grpc`` probes and ``HTTPS`` ones (they fail, saying so); postStart hooks;
+containers after the first (reported running, ready and Completed as it is; their probes and hooks are not
+run); sidecar init containers (``restartPolicy: Always``: reported running, not run); without an image, a
+path the program names itself rather than in its arguments or env (``/dev/termination-log`` hard-coded in a
+program is the host's); pods that existed before the runner served the namespace (kwok plays them, nothing
+runs).
 """
 
 from __future__ import annotations
@@ -230,6 +231,8 @@ class _PodRun:
     image_ids: dict[str, str] = field(default_factory=dict)
     #: The probes of the first container's current run (none while it is not running).
     probes: ContainerProbes | None = None
+    #: Deleted: its container is being stopped, then the runner removes it.
+    terminating: bool = False
 
     @property
     def name(self) -> str:
@@ -341,7 +344,9 @@ class PodRunner:
         self._probe_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"probe-{namespace}")
         # Containers being killed (a deleted pod's, a liveness failure's): each on a thread of its own, since
         # a preStop hook and the grace period after it may take as long as the pod's grace period.
-        self._killers: list[threading.Thread] = []
+        self._killers: list[tuple[threading.Thread, PodProcess]] = []
+        # Deleted pods the runner has removed (or is removing), by uid: one DELETE each.
+        self._removed: set[str] = set()
         self.pods: dict[str, _PodRun] = {}
         #: Names of the pods whose first container started, in order.
         self.started: list[str] = []
@@ -373,6 +378,9 @@ class PodRunner:
                 if run.process is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(run.process.proc.pid, signal.SIGTERM)
+            for _, process in self._killers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.proc.pid, signal.SIGTERM)
             for run in runs:
                 if run.process is not None:
                     self._terminate(run.process)
@@ -380,7 +388,7 @@ class PodRunner:
                     pod_address(run.ip, add=False)
             self.pods.clear()
             # Kills under way see the stop (a sleep hook ends) and their process already signalled.
-            for killer in self._killers:
+            for killer, _ in self._killers:
                 killer.join(timeout=20)
             self._killers.clear()
             self._probe_pool.shutdown(wait=False, cancel_futures=True)
@@ -413,14 +421,15 @@ class PodRunner:
             self._bind_claims()
         pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods").get("items", [])
         ours = {}
-        # Pods being deleted, with the grace period their deletion gave (kwok removes them at once, so a
-        # pod is more often just gone: then its spec's terminationGracePeriodSeconds applies).
-        deleting: dict[str, float] = {}
+        # The runner's pods being deleted, with their deletion's grace period: the runner stops their
+        # containers, then removes them, as a kubelet does (kwok leaves them to it: runnerpods.py).
+        deleting: dict[str, tuple[JSON, float | None]] = {}
         for pod in pods:
             meta, status = pod["metadata"], pod.get("status") or {}
             if meta.get("deletionTimestamp"):
-                if meta.get("deletionGracePeriodSeconds") is not None:
-                    deleting[meta["uid"]] = float(meta["deletionGracePeriodSeconds"])
+                if RUNNER_LABEL in (meta.get("labels") or {}):
+                    grace = meta.get("deletionGracePeriodSeconds")
+                    deleting[meta["uid"]] = (pod, None if grace is None else float(grace))
                 continue
             if RUNNER_LABEL not in (meta.get("labels") or {}):
                 if status.get("phase") == "Running" and meta["uid"] not in self._unserved:
@@ -432,11 +441,19 @@ class PodRunner:
             if status.get("podIP"):
                 ours[meta["uid"]] = pod
         with self._lock:
-            self._killers = [k for k in self._killers if k.is_alive()]
-            for uid, gone in list(self.pods.items()):
-                if uid not in ours:
-                    self._forget(gone, deleting.get(uid))
+            self._killers = [k for k in self._killers if k[0].is_alive()]
+            for uid, run in list(self.pods.items()):
+                if uid in deleting:
+                    if not run.terminating:
+                        run.terminating = True
+                        self._stop_pod(run, deleting[uid][1], remove=True)
+                elif uid not in ours:
+                    if not run.terminating:  # gone at once: force-deleted (grace period 0)
+                        self._stop_pod(run, None, remove=False)
                     del self.pods[uid]
+            for uid, (pod, _) in deleting.items():
+                if uid not in self.pods and uid not in self._removed:
+                    self._remove(pod)  # nothing runs for it (it finished, or never started here)
             for uid, pod in ours.items():
                 try:
                     known = self.pods.get(uid)
@@ -456,9 +473,13 @@ class PodRunner:
                         log.exception("pod %s: sync failed", pod["metadata"]["name"])
 
     def processes(self, name_prefix: str = "") -> list[PodProcess]:
-        """The first container's process of each pod that has one and has not finished."""
+        """The first container's process of each pod that has one, has not finished and is not being deleted."""
         with self._lock:
-            return [r.main for r in self.pods.values() if r.main and not r.finished and r.name.startswith(name_prefix)]
+            return [
+                r.main
+                for r in self.pods.values()
+                if r.main and not r.finished and not r.terminating and r.name.startswith(name_prefix)
+            ]
 
     def _bind_claims(self) -> None:
         claims = self.api.get(f"/api/v1/namespaces/{self.namespace}/persistentvolumeclaims").get("items", [])
@@ -743,18 +764,43 @@ class PodRunner:
                 raise
         run.conditions, run.dirty = status["conditions"], False
 
-    def _forget(self, run: _PodRun, grace: float | None = None) -> None:
-        """The pod went away: its running container is killed as the kubelet kills it (``_kill``), with the
-        deletion's grace period (else the spec's); its IP goes once it has stopped."""
+    def _stop_pod(self, run: _PodRun, grace: float | None, *, remove: bool) -> None:
+        """The pod was deleted: its running container is killed as the kubelet kills it (``_kill``), with the
+        deletion's grace period (else the spec's); then its IP goes and (``remove``) the runner removes it."""
         process, run.process = run.process, None
         if process is None or process.proc.poll() is not None:
             if process is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.proc.pid, signal.SIGKILL)  # what it left behind
-            if not run.finished:
-                pod_address(run.ip, add=False)
+            self._stopped(run, remove=remove)
             return
-        self._kill_async(run, process, run.order[run.step], self._grace(run) if grace is None else grace, gone=True)
+        self._kill_async(
+            run, process, run.order[run.step], self._grace(run) if grace is None else grace, gone=True, remove=remove
+        )
+
+    def _stopped(self, run: _PodRun, *, remove: bool) -> None:
+        """A deleted pod's container has stopped: its IP goes (unless a newer pod has it already), and the
+        runner removes the pod (``remove``)."""
+        # A snapshot without the lock (stop() holds it while it waits for the killers).
+        others = [r for r in list(self.pods.values()) if r is not run and not r.finished]
+        if not run.finished and all(r.ip != run.ip for r in others):
+            pod_address(run.ip, add=False)
+        if remove:
+            self._remove(run.pod)
+
+    def _remove(self, pod: Mapping[str, Any]) -> None:
+        """Delete the pod's object at once (the kubelet's last word on a deleted pod), only if it is still
+        the same pod (its uid)."""
+        meta = pod["metadata"]
+        self._removed.add(meta["uid"])
+        options = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                   "preconditions": {"uid": meta["uid"]}}  # fmt: skip
+        try:
+            self.api.request("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{meta['name']}", options)
+            log.info("removed deleted pod %s", meta["name"])
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone already, or a new pod of that name
+                log.warning("could not remove pod %s: %s", meta["name"], exc)
 
     @staticmethod
     def _grace(run: _PodRun) -> float:
@@ -762,19 +808,28 @@ class PodRunner:
         return DEFAULT_GRACE if value is None else float(value)
 
     def _kill_async(
-        self, run: _PodRun, proc: PodProcess, container: Mapping[str, Any], grace: float, *, gone: bool = False
+        self,
+        run: _PodRun,
+        proc: PodProcess,
+        container: Mapping[str, Any],
+        grace: float,
+        *,
+        gone: bool = False,
+        remove: bool = False,
     ) -> None:
         killer = threading.Thread(
-            target=self._kill, args=(run, proc, container, grace, gone), name=f"kill-{run.name}", daemon=True
+            target=self._kill, args=(run, proc, container, grace, gone, remove), name=f"kill-{run.name}", daemon=True
         )
-        self._killers.append(killer)
+        self._killers.append((killer, proc))
         killer.start()
 
-    def _kill(self, run: _PodRun, proc: PodProcess, container: Mapping[str, Any], grace: float, gone: bool) -> None:
+    def _kill(
+        self, run: _PodRun, proc: PodProcess, container: Mapping[str, Any], grace: float, gone: bool, remove: bool
+    ) -> None:
         """Kill one container as the kubelet does: its ``preStop`` hook first (bounded by the grace period),
         then SIGTERM, then SIGKILL once what is left of the grace period (at least 2 s) has passed. A hook
         that fails is a ``FailedPreStopHook`` event, and the kill goes on. ``gone``: the pod was deleted, so
-        its IP goes too once the container has stopped."""
+        its IP goes too once the container has stopped, and (``remove``) the pod itself."""
         begin = time.monotonic()
         name = container["name"]
         if gone:
@@ -794,8 +849,8 @@ class PodRunner:
                 )  # fmt: skip
                 log.warning("pod %s: preStop hook of container %s failed: %s", run.name, name, message)
         self._terminate(proc, grace=max(grace - (time.monotonic() - begin), MIN_GRACE))
-        if gone and not run.finished:
-            pod_address(run.ip, add=False)
+        if gone:
+            self._stopped(run, remove=remove)
 
     # --------------------------------------------------------------------------------------- launch
     def _secret_value(self, ref: Mapping[str, Any]) -> str:

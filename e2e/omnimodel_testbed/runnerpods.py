@@ -12,8 +12,11 @@ runner sees it. Pods are created by controllers (a Job's, a Deployment's) from t
 write, so the mark is added at admission: a MutatingAdmissionPolicy, installed when the cluster starts,
 labels every pod created in a namespace labelled :data:`RUNNER_LABEL`; the runner labels its namespace
 when it starts (and waits until a dry-run pod comes back labelled, so the apiserver's policy and
-namespace caches have caught up). kwok's Pod stages (except deletion) skip pods with the label, and one
-more stage gives them their IP and leaves them Pending. Everything else in the cluster (pods of
+namespace caches have caught up). kwok's Pod stages skip pods with the label, and one more stage gives them
+their IP and leaves them Pending. A deleted runner pod is the runner's to remove, as a kubelet removes a
+pod once its containers have stopped (preStop hook, SIGTERM, grace period): until then it keeps its object
+(Terminating) and so its IP, which kwok would hand to the next pod. A last stage removes it at the end of
+its grace period in case no runner does (the runner stopped). Everything else in the cluster (pods of
 namespaces no runner serves, Jobs of plain kwok suites) keeps kwok's behaviour.
 """
 
@@ -48,6 +51,8 @@ _BINDING_PATH: Final = "/apis/admissionregistration.k8s.io/v1/mutatingadmissionp
 _LABEL_QUERY: Final = f'.metadata.labels["{RUNNER_LABEL}"]'
 #: The one stage runner pods get: an IP (as a CNI gives the sandbox), phase Pending; the runner takes over.
 _RUNNER_STAGE: Final = "pod-runner-create"
+#: Runner pods deleted and not removed by a runner by the end of their grace period: removed then.
+_RUNNER_DELETE_STAGE: Final = "pod-runner-delete"
 _RUNNER_STAGE_TEMPLATE: Final = """\
 {{ $hostIPs := NodeIPsWith .spec.nodeName }}
 {{ with $hostIPs }}
@@ -118,13 +123,13 @@ def install_admission_policy(api: KubeAPI) -> None:
 
 
 def kwok_stages(stages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kwok's Stage documents with runner pods left out of every Pod stage but deletion, plus the
-    stage that gives runner pods their IP."""
+    """kwok's Stage documents with runner pods left out of every Pod stage, plus the stage that gives
+    runner pods their IP and the one that removes a deleted one the runner left."""
     out: list[dict[str, Any]] = []
     for doc in stages:
         stage = copy.deepcopy(doc)
         spec = stage.get("spec") or {}
-        if (spec.get("resourceRef") or {}).get("kind") == "Pod" and not (spec.get("next") or {}).get("delete"):
+        if (spec.get("resourceRef") or {}).get("kind") == "Pod":
             expressions = spec.setdefault("selector", {}).setdefault("matchExpressions", [])
             expressions.append({"key": _LABEL_QUERY, "operator": "DoesNotExist"})
         out.append(stage)
@@ -143,6 +148,25 @@ def kwok_stages(stages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     ]
                 },
                 "next": {"statusTemplate": _RUNNER_STAGE_TEMPLATE},
+            },
+        }
+    )
+    out.append(
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "Stage",
+            "metadata": {"name": _RUNNER_DELETE_STAGE},
+            "spec": {
+                "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+                "selector": {
+                    "matchExpressions": [
+                        {"key": ".metadata.deletionTimestamp", "operator": "Exists"},
+                        {"key": _LABEL_QUERY, "operator": "Exists"},
+                    ]
+                },
+                # The deletion timestamp is when the grace period ends: kwok waits until then.
+                "delay": {"durationFrom": {"expressionFrom": ".metadata.deletionTimestamp"}},
+                "next": {"delete": True},
             },
         }
     )

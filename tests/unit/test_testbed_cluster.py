@@ -57,7 +57,7 @@ def test_kwok_config_carries_every_stage(tmp_path: Path) -> None:
     assert docs[0]["kind"] == "KwokConfiguration"
     assert docs[0]["options"]["cidr"].startswith("127.")
     # kwok's own stages, then the one that leaves a pod runner's pods to it (runnerpods.py)
-    assert [d["metadata"]["name"] for d in docs[1:]] == [*STAGES, "pod-runner-create"]
+    assert [d["metadata"]["name"] for d in docs[1:]] == [*STAGES, "pod-runner-create", "pod-runner-delete"]
 
 
 @pytest.mark.parametrize("victim", ["etcd-data", "logs", "state.json"])

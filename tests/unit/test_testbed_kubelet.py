@@ -24,6 +24,7 @@ class FakeKube:
         self.claims = claims or []
         self.patches: list[tuple[str, dict[str, Any]]] = []
         self.events: list[dict[str, Any]] = []
+        self.removed: list[tuple[str, int]] = []
 
     def get(self, path: str) -> dict[str, Any]:
         if path == "/api/v1/namespaces/ns/pods":
@@ -38,6 +39,14 @@ class FakeKube:
         assert path == "/api/v1/namespaces/ns/events", path
         self.events.append(obj)
         return obj
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The runner's removal of a deleted pod (``DELETE`` with its options)."""
+        assert method == "DELETE" and body is not None, (method, body)
+        name = path.removeprefix("/api/v1/namespaces/ns/pods/")
+        assert body["preconditions"]["uid"] == self.pods[name]["metadata"]["uid"]
+        self.removed.append((name, body["gracePeriodSeconds"]))
+        return self.pods.pop(name)
 
     def reasons(self) -> list[str]:
         return [f"{e['reason']}: {e['message']}" for e in self.events]
@@ -477,5 +486,47 @@ def test_a_failed_prestop_hook_is_an_event_and_the_grace_period_counts_from_the_
         (failed,) = [m for m in api.reasons() if m.startswith("FailedPreStopHook")]
         assert "Exec lifecycle hook (['sh', '-c', 'echo no drain; exit 3']) for Container \"main\"" in failed
         assert failed.endswith("failed - error: no drain\n")
+    finally:
+        r.stop()
+
+
+def test_a_pod_being_deleted_stays_until_its_container_stopped_and_the_runner_removes_it(tmp_path: Path) -> None:
+    out = tmp_path / "order"
+    hook = {"httpGet": {"path": "/drain", "port": "http"}}  # nothing listens: the hook fails, the kill goes on
+    p = runner_pod(
+        "web",
+        _trapping(out, on_term="sleep 1; echo stopped >> " + str(out) + "; exit 0"),
+        container={"lifecycle": {"preStop": hook}, "ports": [{"name": "http", "containerPort": 1}]},
+    )
+    api = FakeKube(p)
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        sync_until(r, api, "web", lambda s: out.exists())
+        # What the API server does with `kubectl delete pod web`: a timestamp and a grace period, the object stays.
+        api.pods["web"]["metadata"].update(deletionTimestamp="2026-12-07T20:00:30Z", deletionGracePeriodSeconds=30)
+        r.sync()
+        assert "web" in api.pods and r.processes("web") == []  # terminating: no longer one of the runner's
+        deadline = time.monotonic() + 20
+        while "web" in api.pods and time.monotonic() < deadline:
+            r.sync()
+            time.sleep(0.05)
+        assert api.removed == [("web", 0)]
+        assert out.read_text() == "up\nTERM\nstopped\n"  # removed only once the container had stopped
+        (failed,) = [m for m in api.reasons() if m.startswith("FailedPreStopHook")]
+        assert "HTTP lifecycle hook (/drain)" in failed and "connection refused" in failed
+    finally:
+        r.stop()
+
+
+def test_a_deleted_pod_that_runs_nothing_is_removed_at_once(tmp_path: Path) -> None:
+    p = runner_pod("done", ["true"], restartPolicy="Never")
+    api = FakeKube(p)
+    r = PodRunner(api, "ns", tmp_path / "pods", tmp_path / "bin")  # type: ignore[arg-type]
+    try:
+        sync_until(r, api, "done", finished)
+        api.pods["done"]["metadata"].update(deletionTimestamp="2026-12-07T20:00:30Z", deletionGracePeriodSeconds=30)
+        r.sync()
+        r.sync()
+        assert api.removed == [("done", 0)]
     finally:
         r.stop()

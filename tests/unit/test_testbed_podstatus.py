@@ -105,7 +105,7 @@ def kwok_stage(name: str, *, delete: bool = False, kind: str = "Pod") -> dict[st
     return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
 
-def test_kwok_leaves_runner_pods_to_the_runner_but_still_deletes_them() -> None:
+def test_kwok_leaves_runner_pods_to_the_runner_and_deletes_them_only_after_their_grace_period() -> None:
     given = [kwok_stage("node-initialize", kind="Node"), kwok_stage("pod-ready"), kwok_stage("pod-delete", delete=True)]
     out = {s["metadata"]["name"]: s for s in kwok_stages(given)}
     label_query = f'.metadata.labels["{RUNNER_LABEL}"]'
@@ -115,7 +115,12 @@ def test_kwok_leaves_runner_pods_to_the_runner_but_still_deletes_them() -> None:
         return found
 
     assert {"key": label_query, "operator": "DoesNotExist"} in expressions("pod-ready")
-    assert all(e["key"] != label_query for e in expressions("pod-delete"))
+    assert {"key": label_query, "operator": "DoesNotExist"} in expressions("pod-delete")
+    # A deleted runner pod: the runner removes it once stopped, kwok only once its grace period is over.
+    deleting = out["pod-runner-delete"]["spec"]
+    assert {"key": label_query, "operator": "Exists"} in deleting["selector"]["matchExpressions"]
+    assert deleting["delay"] == {"durationFrom": {"expressionFrom": ".metadata.deletionTimestamp"}}
+    assert deleting["next"] == {"delete": True}
     assert "selector" not in out["node-initialize"]["spec"] or all(
         e["key"] != label_query for e in expressions("node-initialize")
     )
