@@ -140,7 +140,7 @@ def test_each_pod_gets_a_private_dev_shm_and_downward_env(tmp_path: Path) -> Non
         f"echo x > /dev/shm/{marker}; df -k /dev/shm | tail -n1 > {out}; ls /dev/shm >> {out}; "
         f'echo "$POD_IP $POD_NAME $ADDR" >> {out}; echo END >> {out}'
     )
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "ADDR", "value": "tcp://$(POD_IP):5000"},
