@@ -20,15 +20,18 @@ def readiness(**spec: object) -> Prober:
 def test_readiness_starts_unready_and_flips_only_after_its_thresholds() -> None:
     probe = readiness(periodSeconds=5, successThreshold=2, failureThreshold=3)
     assert probe.due(0.0)
-    assert not probe.observe(True, 0.0) and not probe.result  # one success of two
+
+    def step(ok: bool, now: float) -> tuple[bool, bool]:
+        """(flipped, result) after one probe."""
+        return probe.observe(ok, now), probe.result
+
+    assert step(True, 0.0) == (False, False)  # one success of two
     assert not probe.due(4.9) and probe.due(5.0)  # the period
-    assert probe.observe(True, 5.0) and probe.result
-    assert not probe.observe(False, 10.0) and not probe.observe(False, 15.0)
-    assert probe.result  # two failures of three: still ready
-    assert not probe.observe(True, 20.0)  # a success in between starts the count again
-    for t in (25.0, 30.0):
-        assert not probe.observe(False, t)
-    assert probe.observe(False, 35.0) and not probe.result
+    assert step(True, 5.0) == (True, True)
+    assert step(False, 10.0) == step(False, 15.0) == (False, True)  # two failures of three: still ready
+    assert step(True, 20.0) == (False, True)  # a success in between starts the count again
+    assert step(False, 25.0) == step(False, 30.0) == (False, True)
+    assert step(False, 35.0) == (True, False)
 
 
 def test_nothing_is_probed_before_the_initial_delay() -> None:
