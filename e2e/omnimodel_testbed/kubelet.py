@@ -1013,8 +1013,10 @@ class PodRunner:
             env.update(VLLM_OMNI_CPU_ENV)
 
         def enter(_pid: int, command: Sequence[str]) -> list[str]:
-            # No image: a command runs here as the container's does, its in-container paths rewritten.
-            return [command[0], *(host_path(a) for a in command[1:])]
+            # No image: a command runs here as the container's own does (from the same bin dir, its
+            # in-container paths rewritten).
+            exe = bin_dir / command[0]
+            return [str(exe) if exe.exists() else command[0], *(host_path(a) for a in command[1:])]
 
         return self._spawn(
             pod, container, root, private_shm_argv(argv, shm_size(pod), read_only), argv, env, init, enter
