@@ -28,7 +28,8 @@ kubelet's prober does: a ``startupProbe`` gates the others and sets ``started``;
 availability follow it; a ``livenessProbe`` (or startup probe) that reaches its ``failureThreshold`` has the
 container killed (``Killing`` event) and restarted. ``httpGet``, ``tcpSocket`` and ``exec`` probes run on a
 small thread pool, each failure an ``Unhealthy`` event; an ``exec`` runs inside the running container (its
-root filesystem, mount namespace, user and env: ``container.exec_argv``). A container that exits is
+root filesystem, mount namespace, user and env: ``container.exec_argv``; ``127.0.0.1`` in its command
+is the pod's IP, since the pod's servers listen there). A container that exits is
 ``terminated`` with its exit code (128 + the signal's number when a signal ended it), reason
 ``Completed``/``Error`` and its termination message: the file at ``terminationMessagePath``
 (``/dev/termination-log``, a file per container here), or with ``FallbackToLogsOnError`` the tail of its log
@@ -1048,7 +1049,15 @@ class PodRunner:
         what = f"init container {container['name']} of pod" if init else "pod"
         log.info("started %s %s (%s) as pid %d: %s", what, meta["name"], ip, proc.pid, " ".join(argv))
         ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports") or [] if p.get("name")}
-        target = HandlerTarget(ip, ports, lambda command: enter(proc.pid, command), dict(env), str(root))
+        # The pod's loopback is its IP here (its servers listen there, not on a 127.0.0.1 of their own): an
+        # exec handler's 127.0.0.1 becomes the pod's IP, as the command's 0.0.0.0 did.
+        target = HandlerTarget(
+            ip,
+            ports,
+            lambda command: enter(proc.pid, [a.replace("127.0.0.1", ip) for a in command]),
+            dict(env),
+            str(root),
+        )
         return PodProcess(
             meta["name"], meta["uid"], ip, proc, log_path, argv, container["name"], offset, ps.now(), target
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -530,3 +531,16 @@ def test_a_deleted_pod_that_runs_nothing_is_removed_at_once(tmp_path: Path) -> N
         assert api.removed == [("done", 0)]
     finally:
         r.stop()
+
+
+def test_an_exec_handler_runs_as_the_container_with_the_pods_loopback_at_its_ip(tmp_path: Path) -> None:
+    """In a cluster a pod's exec probe reaches its own servers at 127.0.0.1; here they listen on the pod's IP."""
+    r = runner(tmp_path)
+    proc = launch(r, pod("head", ["sleep", "60"], env=[{"name": "PORT", "value": "8000"}]))
+    try:
+        assert proc.target is not None
+        argv = proc.target.exec_argv(["sh", "-c", 'echo "http://127.0.0.1:$PORT/health"'])
+        out = subprocess.run(argv, env=dict(proc.target.env), capture_output=True, text=True, check=True).stdout
+        assert out == "http://127.0.0.9:8000/health\n"
+    finally:
+        r._terminate(proc)
