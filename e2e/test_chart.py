@@ -4,8 +4,8 @@ kopf peering between two operators, `helm test`, a rolling upgrade, uninstall.
 The release namespace is served by the test bed's kubelet (omnimodel_testbed.kubelet), so the chart's
 operator pod and its `helm test` pod run from the operator image that `make images` pushed to the test
 bed's registry, with the projected token of their ServiceAccounts: every API call goes through the
-chart's RBAC. (The kubelet does not run probes: a pod is Ready once its container has started.) The
-pods of the OmniModels in the watched namespace are kwok's.
+chart's RBAC, and with the chart's probes run (the operator pod is Ready once kopf's /healthz answers).
+The pods of the OmniModels in the watched namespace are kwok's.
 
 The release watches one fresh namespace (watchNamespaces), so the operator run here never touches
 other suites' objects. The CRD is shared by every suite on the cluster: an existing one is adopted

@@ -115,7 +115,7 @@ def read_only_mounts(pid: int) -> dict[str, str]:
 
 def view_of(proc: PodProcess) -> dict[str, Any]:
     """The view (a directory of symlinks) the stage process loaded its model from, in its pod's /tmp.
-    Waited for: the test bed's pods are Ready once started (no probes), before the stage has loaded."""
+    Waited for, should a caller look before the stage has loaded it (before its pod is Ready)."""
     views = proc.log_path.parent / "volumes" / "tmp" / "omnimodel-views"
     (marker,) = wait_for(lambda: list(views.glob(f"*/{VIEW_MARKER}")), 120, what=f"{proc.name}'s model view")
     view: dict[str, Any] = json.loads(marker.read_text())
