@@ -74,7 +74,6 @@ from omnimodel_runtime.engines.omni.common import (
     voice_param,
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
-from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import (
     FinalFrame,
@@ -271,7 +270,7 @@ class OmniCode2WavEngine(OmniEngine):
         moved = False
         ready: list[tuple[_Chunked, _Window]] = []
         for job in jobs:
-            try:
+            with self.alone(job, finished):
                 frames = job.poll()
                 if job.state is None:
                     job.state = _Chunked(self, job) if job.data["chunked"] else _Whole()
@@ -294,11 +293,6 @@ class OmniCode2WavEngine(OmniEngine):
                     moved = True
                     job.emit(FinalFrame("stop", Usage(prompt_tokens=len(state.codes))))
                     finished.append(job)
-            except CancelledRequestError:
-                finished.append(job)
-            except Exception as err:  # this request's input failed, not the batch
-                self.fail(job, err)
-                finished.append(job)
         if self._gathering(ready, jobs):
             return finished, True  # look again at once: _gathering waited for the next frame
         groups: dict[tuple[int, int], list[tuple[_Chunked, _Window]]] = {}
@@ -315,11 +309,8 @@ class OmniCode2WavEngine(OmniEngine):
                 self.context.metrics.observe_batch(len(part))
                 mels = self._mels.run([(s.job, w) for s, w in part])
                 for (state, window), mel in zip(part, mels, strict=True):
-                    try:
+                    with self.alone(state.job, finished):
                         state.finish(window, mel.unsqueeze(0))
-                    except Exception as err:
-                        self.fail(state.job, err)
-                        finished.append(state.job)
         return finished, moved
 
     def _gathering(self, ready: list[tuple[_Chunked, _Window]], jobs: list[OmniJob]) -> bool:

@@ -231,6 +231,21 @@ class OmniEngine(WorkerEngine[OmniJob], abc.ABC):
     def release(self, job: OmniJob) -> None:
         """Batched serving: free what ``job`` holds (its cache slot); it will not be advanced again."""
 
+    @contextlib.contextmanager
+    def alone(self, job: OmniJob, finished: list[OmniJob]) -> Iterator[None]:
+        """Inside :meth:`advance`, work of ``job`` alone (its input, its prefill): a cancellation or a failure
+        there ends this request, not the batch: it is released, a failure answered with :meth:`fail`, and
+        ``job`` added to ``finished``."""
+        try:
+            yield
+        except CancelledRequestError:
+            self.release(job)
+            finished.append(job)
+        except Exception as err:  # this request's input or prefill failed, not the batch
+            self.fail(job, err)
+            self.release(job)
+            finished.append(job)
+
     # ------------------------------------------------------------ the worker
 
     def worker_mode(self) -> contextlib.AbstractContextManager[Any]:

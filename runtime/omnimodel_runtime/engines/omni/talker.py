@@ -311,7 +311,7 @@ class OmniTalkerEngine(OmniEngine):
             row = job.state
             if row is None:
                 row = job.state = _TalkerRow(job=job)
-            try:
+            with self.alone(job, finished):
                 row.take(job.poll())
                 if row.call is None and row.first is not None and self._slots.free > 0:
                     moved = True
@@ -321,13 +321,6 @@ class OmniTalkerEngine(OmniEngine):
                     # The thinker stopped after one token: nothing to speak.
                     self._finish(job, RngTurn(self.device, job.data["seed"]).state, codes=0, prompt_len=0)
                     finished.append(job)
-            except CancelledRequestError:
-                self.release(job)
-                finished.append(job)
-            except Exception as err:  # this request's input or prefill failed, not the batch
-                self.fail(job, err)
-                self.release(job)
-                finished.append(job)
         rows: list[_TalkerRow] = list(self._slots.holders)
         if self._pending is not None or any(r.launchable for r in rows):
             moved = True

@@ -413,7 +413,7 @@ class OmniThinkerEngine(OmniEngine):
             if job.state is not None or self._slots.free <= 0:
                 continue
             moved = True
-            try:
+            with self.alone(job, finished):
                 if "media" in job.data:
                     # Audio and images shift the M-RoPE positions of everything after them (rope_deltas),
                     # which the slot decoder does not carry: such a request runs whole through
@@ -422,11 +422,6 @@ class OmniThinkerEngine(OmniEngine):
                     finished.append(job)
                 elif self._prefill(job):
                     finished.append(job)
-            except CancelledRequestError:
-                finished.append(job)
-            except Exception as err:  # this request's prefill failed, not the batch
-                self.fail(job, err)
-                finished.append(job)
         rows: list[_ThinkerRow] = list(self._slots.holders)
         if rows:
             moved = True

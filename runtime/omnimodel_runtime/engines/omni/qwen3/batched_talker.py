@@ -171,7 +171,7 @@ class BatchedTalker:
             row = job.state
             if row is None:
                 row = job.state = _Row(job=job)
-            try:
+            with engine.alone(job, finished):
                 self._take(row, job.poll())
                 if not row.prefilled and row.first is not None and self.slots.free > 0:
                     moved = True
@@ -181,13 +181,6 @@ class BatchedTalker:
                     # The thinker stopped after one token: nothing to speak (the whole model needs two).
                     job.emit(FinalFrame("stop", Usage()))
                     finished.append(job)
-            except CancelledRequestError:
-                self.release(job)
-                finished.append(job)
-            except Exception as err:  # this request's input or prefill failed, not the batch
-                engine.fail(job, err)
-                self.release(job)
-                finished.append(job)
         ready = [row for row in self.slots.holders if row.text_row() is not None]
         if ready:
             moved = True

@@ -29,7 +29,6 @@ from omnimodel_runtime.engines.omni.common import (
 )
 from omnimodel_runtime.engines.omni.engine import OmniEngine, OmniJob
 from omnimodel_runtime.engines.omni.qwen3.common import load_config
-from omnimodel_runtime.engines.worker import CancelledRequestError
 from omnimodel_runtime.errors import StageError
 from omnimodel_runtime.protocol.stage import FinalFrame, ResponseFrame, StageInput, StageParams, TensorFrame, Usage
 
@@ -135,7 +134,7 @@ class Qwen3Code2WavEngine(OmniEngine):
         moved = False
         ready: dict[int, list[tuple[OmniJob, _Stream, _Chunk]]] = {}  # by window length
         for job in jobs:
-            try:
+            with self.alone(job, finished):
                 if job.state is None:
                     job.state = _Stream()
                 stream: _Stream = job.state
@@ -155,11 +154,6 @@ class Qwen3Code2WavEngine(OmniEngine):
                     moved = True
                     job.emit(FinalFrame("stop", Usage(prompt_tokens=len(stream.codes))))
                     finished.append(job)
-            except CancelledRequestError:
-                finished.append(job)
-            except Exception as err:  # this request's input failed, not the batch
-                self.fail(job, err)
-                finished.append(job)
         with self.one_wake_up():
             for group in ready.values():
                 for first in range(0, len(group), self.max_batch):
@@ -169,10 +163,8 @@ class Qwen3Code2WavEngine(OmniEngine):
                     windows = torch.cat([self._window(s.codes, c.lo, c.hi) for _, s, c in part])
                     wavs = self.model(windows)
                     for (job, stream, chunk), wav in zip(part, wavs, strict=True):
-                        try:
+                        with self.alone(job, finished):
                             self._voice(job, stream, chunk, wav)
-                        except CancelledRequestError:
-                            finished.append(job)
         return finished, moved
 
     def _emit(self, job: OmniJob, wav: torch.Tensor) -> None:
