@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from runtime_procs import random_png, streamed_audio, streamed_text, torch_threads
+from runtime_procs import metric_total, random_png, streamed_audio, streamed_text, torch_threads
 
 from omnimodel_runtime.serving.audio import wav_bytes
 
@@ -41,6 +41,59 @@ QWEN3_MARKS = [
     # The whole model's talker generate() warns that its repetition penalty skips the prompt (by design).
     pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning"),
 ]
+
+
+# The prompts the batched tests send one at a time, then together.
+BATCH_PROMPTS = ["Hello there, who are you?", "What is a pod?", "Tell me about the cluster.", "Why do engines batch?"]
+
+
+def batched_steps(metrics: str, stage: str) -> float:
+    """Steps of ``stage`` that served more than one request (from the batch-size histogram)."""
+    total = metric_total(metrics, "omnimodel_batch_size_count", {"stage": stage})
+    return total - metric_total(metrics, "omnimodel_batch_size_bucket", {"stage": stage, "le": "1.0"})
+
+
+def chat_body(model: str, prompt: str, *, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy chat request with text and audio out (seed 5), as the batched tests send it."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "modalities": ["text", "audio"],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 5,
+        **extra,
+    }
+
+
+@dataclass
+class AloneAndTogether:
+    """The answers to the same requests sent one at a time and then all at once, and ``/metrics`` before and
+    after the concurrent round."""
+
+    alone: list[dict[str, Any]]
+    together: list[dict[str, Any]]
+    before: str
+    after: str
+
+    def shared_steps(self, stage: str) -> bool:
+        """Whether ``stage`` ran steps of several requests during the concurrent round."""
+        return batched_steps(self.after, stage) > batched_steps(self.before, stage)
+
+
+async def alone_and_together(http: Any, bodies: Sequence[Mapping[str, Any]]) -> AloneAndTogether:
+    """Each chat request of ``bodies`` alone, then all at once, through ``http`` (an ``httpx.AsyncClient``)."""
+
+    async def message(resp: Any) -> dict[str, Any]:
+        assert resp.status_code == 200, resp.text
+        answer: dict[str, Any] = resp.json()["choices"][0]["message"]
+        return answer
+
+    alone = [await message(await http.post("/v1/chat/completions", json=b)) for b in bodies]
+    before = (await http.get("/metrics")).text
+    resps = await asyncio.gather(*(http.post("/v1/chat/completions", json=b) for b in bodies))
+    after = (await http.get("/metrics")).text
+    return AloneAndTogether(alone, [await message(r) for r in resps], before, after)
 
 
 def spoken_chat(

@@ -19,11 +19,15 @@ import pytest
 import pytest_asyncio
 import torch
 from omni_helpers import (
+    BATCH_PROMPTS,
     CHUNKED_TOLERANCE,
     QWEN25,
     USER,
     Qwen25Whole,
+    alone_and_together,
     audio_part,
+    batched_steps,
+    chat_body,
     chunked_code2wav,
     code2wav_one_pass,
     image_part,
@@ -64,7 +68,7 @@ from omnimodel_runtime.serve import serve_pipeline
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = QWEN25
-PROMPTS = ["Hello there, who are you?", "What is a pod?", "Tell me about the cluster.", "Why do engines batch?"]
+PROMPTS = BATCH_PROMPTS
 
 
 def pcm(message: Mapping[str, Any]) -> np.ndarray:
@@ -79,12 +83,6 @@ def generated(metrics: str, stage: str) -> float:
     return metric_total(metrics, "omnimodel_generated_tokens_total", {"stage": stage})
 
 
-def batched_steps(metrics: str, stage: str) -> float:
-    """Steps of ``stage`` that served more than one request (from the batch-size histogram)."""
-    total = metric_total(metrics, "omnimodel_batch_size_count", {"stage": stage})
-    return total - metric_total(metrics, "omnimodel_batch_size_bucket", {"stage": stage, "le": "1.0"})
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def serve(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
     pipeline = serve_pipeline(
@@ -95,15 +93,7 @@ async def serve(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
 
 
 def body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "modalities": ["text", "audio"],
-        "max_tokens": 24,
-        "temperature": 0,
-        "seed": 5,
-        **extra,
-    }
+    return chat_body(MODEL, prompt, **{"max_tokens": 24, **extra})
 
 
 async def test_the_stages_serve_batched(serve: Served) -> None:
@@ -122,21 +112,11 @@ async def test_a_lone_greedy_request_gets_the_whole_models_text_and_waveform(
 
 
 async def test_requests_sent_together_share_steps_and_each_gets_what_it_gets_alone(serve: Served) -> None:
-    http = serve.http
-    alone = []
-    for prompt in PROMPTS:
-        resp = await http.post("/v1/chat/completions", json=body(prompt))
-        alone.append(resp.json()["choices"][0]["message"])
-    before = (await http.get("/metrics")).text
-    together = await asyncio.gather(*(http.post("/v1/chat/completions", json=body(p)) for p in PROMPTS))
-    after = (await http.get("/metrics")).text
-    for single, resp in zip(alone, together, strict=True):
-        assert resp.status_code == 200, resp.text
-        message = resp.json()["choices"][0]["message"]
+    rounds = await alone_and_together(serve.http, [body(p) for p in PROMPTS])
+    for single, message in zip(rounds.alone, rounds.together, strict=True):
         assert message["content"] == single["content"]
         assert close_pcm(pcm(message), pcm(single))
-    for stage in ("thinker", "talker"):
-        assert batched_steps(after, stage) > batched_steps(before, stage), stage
+    assert rounds.shared_steps("thinker") and rounds.shared_steps("talker")
 
 
 async def test_streams_sent_together_get_their_audio_in_chunks(serve: Served) -> None:

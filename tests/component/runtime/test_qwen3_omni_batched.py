@@ -15,8 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest_asyncio
-from omni_helpers import QWEN3, QWEN3_MARKS, USER, Qwen3Whole
-from runtime_procs import Served, metric_total, served_in_process, wav_of
+from omni_helpers import (
+    BATCH_PROMPTS,
+    QWEN3,
+    QWEN3_MARKS,
+    USER,
+    Qwen3Whole,
+    alone_and_together,
+    batched_steps,
+    chat_body,
+)
+from runtime_procs import Served, served_in_process, wav_of
 
 from omnimodel_runtime.engines.omni.common import CODES_KIND, tensor_frame
 from omnimodel_runtime.protocol.stage import (
@@ -32,13 +41,7 @@ from omnimodel_runtime.serve import serve_pipeline
 pytestmark = QWEN3_MARKS
 
 MODEL = QWEN3
-PROMPTS = ["Hello there, who are you?", "What is a pod?", "Tell me about the cluster.", "Why do engines batch?"]
-
-
-def batched_steps(metrics: str, stage: str) -> float:
-    """Steps of ``stage`` that served more than one request (from the batch-size histogram)."""
-    total = metric_total(metrics, "omnimodel_batch_size_count", {"stage": stage})
-    return total - metric_total(metrics, "omnimodel_batch_size_bucket", {"stage": stage, "le": "1.0"})
+PROMPTS = BATCH_PROMPTS
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -62,15 +65,7 @@ async def greedy(tiny_qwen3: Path, model_cache: Path) -> AsyncIterator[Served]:
 
 
 def body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "modalities": ["text", "audio"],
-        "max_tokens": 16,
-        "temperature": 0,
-        "seed": 5,
-        **extra,
-    }
+    return chat_body(MODEL, prompt, **{"max_tokens": 16, **extra})
 
 
 async def test_the_thinker_and_talker_serve_batched(serve: Served) -> None:
@@ -90,22 +85,11 @@ async def test_a_lone_greedy_request_gets_the_whole_models_text(serve: Served, w
 
 
 async def test_requests_sent_together_share_steps_and_each_gets_what_it_gets_alone(greedy: Served) -> None:
-    http = greedy.http
-    alone = []
-    for prompt in PROMPTS:
-        resp = await http.post("/v1/chat/completions", json=body(prompt))
-        assert resp.status_code == 200, resp.text
-        alone.append(resp.json()["choices"][0]["message"])
-    before = (await http.get("/metrics")).text
-    together = await asyncio.gather(*(http.post("/v1/chat/completions", json=body(p)) for p in PROMPTS))
-    after = (await http.get("/metrics")).text
-    for single, resp in zip(alone, together, strict=True):
-        assert resp.status_code == 200, resp.text
-        message = resp.json()["choices"][0]["message"]
+    rounds = await alone_and_together(greedy.http, [body(p) for p in PROMPTS])
+    for single, message in zip(rounds.alone, rounds.together, strict=True):
         assert message["content"] == single["content"]
         assert wav_of(message) == wav_of(single)
-    for stage in ("thinker", "talker"):
-        assert batched_steps(after, stage) > batched_steps(before, stage), stage
+    assert rounds.shared_steps("thinker") and rounds.shared_steps("talker")
 
 
 async def voiced(engine: Any, codes: np.ndarray, request_id: str) -> list[np.ndarray]:
