@@ -20,6 +20,20 @@ export OMNIMODEL_BENCH_LOGS=/tmp/h200-logs
 om() { "$PY" -m omnimodel_runtime "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+# The GPU's utilisation and memory twice a second into $1 (unix time, %, MiB), while a section runs: with each
+# ladder level's started_unix and wall_s it tells whether a saturated level is GPU-bound. None without nvidia-smi.
+sampler_pid=
+gpu_sampler() {
+  command -v nvidia-smi >/dev/null || return 0
+  ( while :; do
+      printf '%s,' "$(date +%s.%N)"
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits | head -1
+      sleep 0.5
+    done ) >"$1" 2>/dev/null &
+  sampler_pid=$!
+}
+stop_gpu_sampler() { [ -z "$sampler_pid" ] || { kill "$sampler_pid" 2>/dev/null; wait "$sampler_pid" 2>/dev/null; sampler_pid=; }; }
+trap stop_gpu_sampler EXIT
 status=0
 for section in "$@"; do
   started=$(date +%s)
@@ -38,11 +52,13 @@ for section in "$@"; do
       # passes of up to 16 streams. HF's whole model runs afterwards in its own process (3 requests).
       size=${OMNI_SIZE:-qwen2.5-omni-7b}; model=/dev/shm/omni-$size
       [ -d "$model" ] || { time om make-tiny --preset qwen2.5-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
+      gpu_sampler "$OUT/omni-ladder-gpu-util.csv"
       om bench --preset qwen2.5-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
         --omni-prompts 2 --omni-concurrency "${OMNI_LADDER:-1,4,16,64}" --omni-requests "${OMNI_REQUESTS:-16}" \
         --omni-deployments three_processes --hf-baseline "${OMNI_HF:-3}" --start-timeout 900 \
         --engine-arg max_batch_size=64 --engine-arg slot_capacity=2048 --engine-arg dit_batch=16 \
         ${OMNI_ENGINE_ARGS:-} --out "$OUT/omni-ladder-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
+      stop_gpu_sampler
       ;;
     omni3)
       # Qwen3-Omni 30B-A3B sizes (~70 GB of bf16 weights) in one process on one GPU, MoE through grouped
@@ -55,11 +71,13 @@ for section in "$@"; do
       size=${OMNI3_SIZE:-qwen3-omni-30b-a3b}; model=/dev/shm/omni3-$size
       [ "$size" = tiny ] || rm -rf /dev/shm/omni-qwen2.5-omni-7b /dev/shm/omni7b
       [ -d "$model" ] || { time om make-tiny --preset qwen3-omni --size "$size" --device "${OMNI_DEVICE:-cuda}" --out "$model" || exit 1; }
+      gpu_sampler "$OUT/omni3-gpu-util.csv"
       om bench --preset qwen3-omni --model "file://$model" --mode omni --max-tokens 48 --rounds 1 \
         --omni-prompts 2 --omni-concurrency "${OMNI3_LADDER:-1,16}" --omni-requests "${OMNI3_REQUESTS:-4}" \
         --omni-deployments in_process --hf-baseline 0 --start-timeout 900 \
         --engine-arg batching=true --engine-arg max_batch_size=16 --engine-arg slot_capacity=2048 \
         ${OMNI_ENGINE_ARGS:-} --out "$OUT/omni3-$size-${GPU_NAME:-h100}.json" >/dev/null || status=1
+      stop_gpu_sampler
       ;;
     omni-parts)
       [ -d /dev/shm/omni7b ] || { time om make-tiny --preset qwen2.5-omni --size qwen2.5-omni-7b --device cuda --out /dev/shm/omni7b || exit 1; }

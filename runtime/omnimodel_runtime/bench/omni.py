@@ -203,6 +203,7 @@ async def ladder(
                     errors.append(f"{type(err).__name__}: {err}")
                     return None
 
+            started = time.time()
             outcomes, wall = await concurrently(attempt, items, level)
             samples = [s for s in outcomes if s is not None]
             section = summary(samples)
@@ -210,6 +211,8 @@ async def ladder(
                 concurrency=level,
                 failures=len(errors),
                 wall_s=round(wall, 3),
+                # Unix time of the level's first request: lines up a device sampler's log (bench/h200.sh).
+                started_unix=round(started, 3),
                 requests_per_s=round(len(samples) / wall, 3),
                 text_tok_s_aggregate=round(sum(s.text_tokens for s in samples) / wall, 2),
                 audio_s_per_s=round(sum(s.audio_s for s in samples) / wall, 3),

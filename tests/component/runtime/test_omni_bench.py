@@ -90,6 +90,7 @@ def test_a_level_counts_its_failed_requests_and_goes_on() -> None:
     assert [levels[level]["requests"] for level in ("1", "3")] == [2, 2]
     assert levels["3"]["failure_examples"] == ["RuntimeError: stream ended early"]
     assert levels["1"]["rtf_p50"] == 0.5
+    assert levels["1"]["started_unix"] <= levels["3"]["started_unix"] <= time.time()
 
 
 def test_a_stage_s_load_is_the_counters_growth_over_the_level() -> None:
