@@ -136,7 +136,7 @@ def walk(x, path=""):
     if isinstance(x, dict):
         for k, v in x.items():
             walk(v, f"{path}.{k}" if path else k)
-    elif any(t in path for t in ("ttfa_p50", "ttfa_max", "rtf_p50", "text_tok_s", "tokens_per_s", "latency_p50", "ratio", "pixel", "requests_per_s", "failures")):
+    elif any(t in path for t in ("ttfa_p50", "ttfa_max", "rtf_p50", "text_tok_s", "tokens_per_s", "latency_p50", "ratio", "pixel", "requests_per_s", "failures", "busiest_stage", "busy_fraction", "mean_batch", "busy_ms_per_step")):
         print(f"  {path} = {x}")
 walk(d)
 PY
