@@ -59,6 +59,11 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "qwen3-omni-vllm-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.qwen3_omni_vllm", function="build", extra="transformers"
     ),
+    # Wan2.2 TI2V-5B's layout (one expert, the 48-channel Wan2.2 VAE, expand_timesteps), for vLLM-Omni's
+    # wan2_2_ti2v config on the vllm-omni runtime.
+    "text-to-video-ti2v-vllm-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.wan22_vllm", function="build", extra="diffusers"
+    ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
     # v2: rope_max_seq_len 1024 (v1's 32 failed at the default and every OpenAI size).
