@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -638,7 +639,9 @@ class _Inside:
             return not pending
 
         self.reporter.status = "the operator creates each stage's Deployment; the scheduler places the pods"
-        self.poll("both OmniModels Ready=True", all_ready, timeout=180, interval=1.0)
+        # vLLM-Omni's replica pod is ready only once the head has attached it (its probes ask the head):
+        # its head starts, then the replica registers and loads; 4+ min here on 2 loaded cores.
+        self.poll("both OmniModels Ready=True", all_ready, timeout=480 if self.vllm_omni else 180, interval=1.0)
         # The listing above was taken before the Ready check that passed, so it can still show a pod
         # Pending; list once more so the last listing a user reads is the one that matches Ready=True.
         show_if_changed("pods", self._pods_args(), strip_age=False)
@@ -850,10 +853,28 @@ class _Inside:
             f"  {here} enter -- kubectl -n {NAMESPACE} get omni,pods -o wide\n"
             f"  {here} enter -- curl -s {self.gateway(OMNI)}/v1/models\n"
             f"  {here} enter      # a shell in there: KUBECONFIG is set, <svc>.<ns>.svc names resolve\n"
-            f"Stop it: Ctrl-C here (or kill -INT {os.getppid()}); everything is torn down."
+            + (self._vllm_omni_scaling_hint(here) if self.vllm_omni else "")
+            + f"Stop it: Ctrl-C here (or kill -INT {os.getppid()}); everything is torn down."
         )
         while True:
             time.sleep(3600)
+
+    def _vllm_omni_scaling_hint(self, here: str) -> str:
+        """How to scale the vLLM-Omni image stage by hand under traffic: a client loop in one terminal, the
+        replica count changed in another (docs/vllm-omni.md, "Scaling without an outage")."""
+        body = '{"model":"qwen-image","prompt":"a cube","size":"64x64","response_format":"b64_json"}'
+        url = f"{self.gateway(VLLM_IMAGE)}/v1/images/generations"
+        loop = (
+            'while :; do curl -s -o /dev/null -w "%{http_code} %{time_total}s\\n" '
+            f"-H content-type:application/json -d {shlex.quote(body)} {url}; done"
+        )
+        patch = '[{"op":"replace","path":"/spec/stages/0/replicas","value":3}]'
+        return (
+            f"The vLLM-Omni image model {VLLM_IMAGE.name} runs its dit stage with 2 replicas. Traffic, then scale:\n"
+            f"  {here} enter -- sh -c {shlex.quote(loop)}\n"
+            f"  {here} enter -- kubectl -n {NAMESPACE} patch omnimodel {VLLM_IMAGE.name} --type json "
+            f"-p {shlex.quote(patch)}   # then value 1\n"
+        )
 
     def tear_down(self) -> None:
         with self.reporter.step("teardown", slow_after=45, look_at=self.pod_logs):
