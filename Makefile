@@ -65,6 +65,13 @@ fmt: ## Format and auto-fix
 unit: cluster-build ## Unit and component tests (no cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# The loop while editing: what is left once the tests marked slow (over 5 s run by themselves) are out;
+# its ten slowest are printed, so a test that has grown past 5 s shows there.
+# CI runs them all: test-suites and unit pass no -m.
+.PHONY: quick
+quick: cluster-build ## Unit and component tests not marked slow: the fast loop (docs/development.md)
+	$(PY) -m pytest tests -m "not slow" --durations=10 $(PYTEST_ARGS)
+
 .PHONY: e2e
 e2e: cluster-build images ## End-to-end tests on the local control plane (reuses a running one; test_chart runs the operator image)
 	$(PY) -m pytest e2e --ignore=e2e/serving --ignore=e2e/demo $(PYTEST_ARGS)

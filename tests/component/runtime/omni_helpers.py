@@ -36,7 +36,6 @@ VIDEO_AUDIO_RATE = 16000
 # The marks of a Qwen3-Omni test module (its ``pytestmark``).
 QWEN3_MARKS = [
     pytest.mark.engine,
-    pytest.mark.slow,
     pytest.mark.asyncio(loop_scope="module"),
     # The whole model's talker generate() warns that its repetition penalty skips the prompt (by design).
     pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning"),

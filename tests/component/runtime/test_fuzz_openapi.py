@@ -34,7 +34,6 @@ from schemathesis.specs.openapi import checks
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.slow,
     # schemathesis' and hypothesis' own imports and strategies warn about things of theirs.
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning"),
@@ -164,6 +163,7 @@ def _run(operation: Any, mode: Any, base_url: str, model: str, tally: Tally, *, 
         assert mode.value == "negative", f"no positive case for {operation.label}"
 
 
+@pytest.mark.slow
 def test_every_operation_answers_as_its_document_says(server: tuple[str, str]) -> None:
     preset, url = server
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")

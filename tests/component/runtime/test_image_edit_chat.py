@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from runtime_procs import Served, serve_fixture
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "qwen-image-edit"
 PROMPT = "Convert to watercolor style"
@@ -57,6 +57,7 @@ def http(serve: Served) -> httpx.AsyncClient:
     return serve.http
 
 
+@pytest.mark.slow
 async def test_vllm_omnis_image_edit_client_gets_the_images_edit_image(http: httpx.AsyncClient) -> None:
     source = png(40, 56, seed=1)
     resp = await http.post("/v1/chat/completions", json=client_payload(source, seed=7))
@@ -80,6 +81,7 @@ async def test_vllm_omnis_image_edit_client_gets_the_images_edit_image(http: htt
     assert not np.array_equal(chat, pixels(base64.b64decode(other_url.split(",", 1)[1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "param", "message"),
     [

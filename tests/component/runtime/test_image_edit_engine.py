@@ -39,7 +39,7 @@ from omnimodel_runtime.pipeline import EngineName, Modality, ModelSource, Pipeli
 from omnimodel_runtime.protocol.images import ImageEditParams, TextToImageParams
 from omnimodel_runtime.protocol.stage import MediaInput, StageParams, StageRequest
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 STEPS = 2
 
@@ -104,6 +104,7 @@ async def edit(
     return await images_of(deployed, request, image=np.frombuffer(image, dtype=np.uint8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -125,6 +126,7 @@ async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
     assert np.array_equal(await edit(whole, image, prompt, **params), expected)
 
 
+@pytest.mark.slow
 async def test_its_prompts_encode_one_at_a_time_under_cfg_batch_too(diffusers_pipe: Any) -> None:
     # cfg_batch's one-pass encoding is Qwen-Image's: here each prompt's encoding carries the image's tokens,
     # so the edit family encodes as without it (the inherited Qwen-Image one would drop the image).
@@ -139,6 +141,7 @@ async def test_its_prompts_encode_one_at_a_time_under_cfg_batch_too(diffusers_pi
         assert torch.equal(together[name], tensor)
 
 
+@pytest.mark.slow
 async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path, diffusers_pipe: Any) -> None:
     # fuse_blocks on the edit family: its image stream is [noisy latents;
     # input image latents], the rotary table covers both parts, and the modulation rows of both guidance
@@ -158,6 +161,7 @@ async def test_fused_blocks_give_the_diffusers_pipelines_pixels(tiny_edit: Path,
     assert_rounding_only(expected, got)
 
 
+@pytest.mark.slow
 async def test_vae_2d_encodes_the_input_and_decodes_the_result_without_3d_convolutions(
     tiny_edit: Path, diffusers_pipe: Any
 ) -> None:
@@ -177,6 +181,7 @@ async def test_vae_2d_encodes_the_input_and_decodes_the_result_without_3d_convol
     assert_rounding_only(expected, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fuse_blocks", [False, True], ids=["cfg-batch", "cfg-batch-fused"])
 async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per_step(
     tiny_edit: Path, diffusers_pipe: Any, fuse_blocks: bool
@@ -204,6 +209,7 @@ async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per
     assert_rounding_only(expected, got)
 
 
+@pytest.mark.slow
 async def test_without_a_size_the_output_has_the_pipelines_size_for_the_input(
     split: Deployed, diffusers_pipe: Any
 ) -> None:
@@ -214,6 +220,7 @@ async def test_without_a_size_the_output_has_the_pipelines_size_for_the_input(
     assert np.array_equal(await edit(split, image, "a red cat", seed=3), expected)
 
 
+@pytest.mark.slow
 async def test_the_seed_and_the_input_image_decide_the_result(split: Deployed) -> None:
     image = random_png(32, 32, seed=4)
     a = await edit(split, image, "a red cat", seed=5, width=32, height=32)
@@ -224,6 +231,7 @@ async def test_the_seed_and_the_input_image_decide_the_result(split: Deployed) -
     )
 
 
+@pytest.mark.slow
 async def test_each_stage_loads_only_its_components(split: Deployed, whole: Deployed) -> None:
     loaded = {name: engine.components for name, engine in split.engines.items()}
     assert loaded == {
@@ -241,6 +249,7 @@ async def test_each_stage_loads_only_its_components(split: Deployed, whole: Depl
     )
 
 
+@pytest.mark.slow
 async def test_an_undecodable_image_or_a_wrong_declared_size_is_a_400_naming_the_image(split: Deployed) -> None:
     with pytest.raises(StageError) as err:
         await edit(split, b"\x89PNG\r\n\x1a\nnot really", "a cat", source=(32, 32), seed=1, width=32, height=32)

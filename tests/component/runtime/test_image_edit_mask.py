@@ -46,7 +46,7 @@ from omnimodel_runtime.settings import RuntimeSettings
 from omnimodel_runtime.stage.handle import StageHandle
 from omnimodel_runtime.stage.local import LocalStage
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 STEPS = 2
 SOURCE = (40, 56)
@@ -189,6 +189,7 @@ async def masked_edit(
     return batch
 
 
+@pytest.mark.slow
 async def test_split_and_whole_give_the_inpaint_pipelines_pixels(
     split: Orchestrator, whole: Orchestrator, inpaint_pipe: Any
 ) -> None:
@@ -200,6 +201,7 @@ async def test_split_and_whole_give_the_inpaint_pipelines_pixels(
     assert np.array_equal(await masked_edit(whole, image, mask, strength=0.7, seed=11), expected)
 
 
+@pytest.mark.slow
 async def test_n_images_with_guidance_at_full_strength_are_the_inpaint_pipelines(
     split: Orchestrator, inpaint_pipe: Any
 ) -> None:
@@ -213,6 +215,7 @@ async def test_n_images_with_guidance_at_full_strength_are_the_inpaint_pipelines
     assert not np.array_equal(got[0], got[1])
 
 
+@pytest.mark.slow
 async def test_masked_edits_batched_together_are_each_the_inpaint_pipelines(
     whole: Orchestrator, inpaint_pipe: Any
 ) -> None:
@@ -241,6 +244,7 @@ async def test_masked_edits_batched_together_are_each_the_inpaint_pipelines(
         assert_rounding_only(one, batched)
 
 
+@pytest.mark.slow
 async def test_outside_the_mask_the_output_is_the_inputs_vae_round_trip(split: Orchestrator, inpaint_pipe: Any) -> None:
     """diffusers blends every step's latents with the input's (noised to the next step; at the last step
     unnoised), so outside the mask the final latents are the input image's VAE latents exactly: a mask
@@ -283,6 +287,7 @@ async def http(model_cache: Path) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
+@pytest.mark.slow
 async def test_the_openai_clients_masked_edit_gets_the_inpaint_pipelines_image(
     http: httpx.AsyncClient, inpaint_pipe: Any
 ) -> None:

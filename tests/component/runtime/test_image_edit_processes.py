@@ -16,7 +16,7 @@ import pytest
 from runtime_procs import images_api_pixels, openai_client, random_png, running, runtime_env, serve_process
 from stage_engines import diffusers_images, diffusers_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 MODEL = "qwen-image-edit"
 STEPS = 2
@@ -34,6 +34,7 @@ def _diffusers(model_dir: Path, image: bytes, prompt: str, *, seed: int, width: 
     return diffusers_images(pipe, prompt, seed=seed, steps=STEPS, image=picture, width=width, height=height)[0]
 
 
+@pytest.mark.slow
 def test_serve_answers_the_openai_images_edit_api(tmp_path: Path, model_cache: Path, tiny_edit: Path) -> None:
     serve = serve_process(MODEL, tmp_path, runtime_env(model_cache, OMP_NUM_THREADS=2))
     source, prompt = random_png(40, 56, seed=1), "make the cat blue"

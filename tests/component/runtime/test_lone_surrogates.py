@@ -23,7 +23,6 @@ from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.slow,
     # openai 2.x warns that OpenAI's own (Sora) service shuts down.
     pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
 ]
@@ -87,7 +86,13 @@ async def video_done(http: httpx.AsyncClient, video_id: str) -> dict[str, Any]:
     raise AssertionError(f"video {video_id} did not finish")
 
 
-@pytest.mark.parametrize("preset", list(ROUTES))
+# Over 5 s each on two cores (docs/development.md): these two presets' servers load the omni and edit models.
+SLOW_PRESETS = ("qwen2.5-omni", "qwen-image-edit")
+
+
+@pytest.mark.parametrize(
+    "preset", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PRESETS else p for p in ROUTES]
+)
 async def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_request_beside_it_is_answered(
     request: pytest.FixtureRequest, model_cache: Path, preset: str
 ) -> None:

@@ -65,7 +65,7 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = QWEN25
 PROMPTS = BATCH_PROMPTS
@@ -96,10 +96,12 @@ def body(prompt: str, **extra: Any) -> dict[str, Any]:
     return chat_body(MODEL, prompt, **{"max_tokens": 24, **extra})
 
 
+@pytest.mark.slow
 async def test_the_stages_serve_batched(serve: Served) -> None:
     assert all(serve.engine(name).batched for name in ("thinker", "talker", "code2wav"))
 
 
+@pytest.mark.slow
 async def test_a_lone_greedy_request_gets_the_whole_models_text_and_waveform(
     serve: Served, whole_omni: Qwen25Whole
 ) -> None:
@@ -111,6 +113,7 @@ async def test_a_lone_greedy_request_gets_the_whole_models_text_and_waveform(
     assert close_pcm(pcm(message), wav_samples(wav).astype(np.int32))
 
 
+@pytest.mark.slow
 async def test_requests_sent_together_share_steps_and_each_gets_what_it_gets_alone(serve: Served) -> None:
     rounds = await alone_and_together(serve.http, [body(p) for p in PROMPTS])
     for single, message in zip(rounds.alone, rounds.together, strict=True):
@@ -119,6 +122,7 @@ async def test_requests_sent_together_share_steps_and_each_gets_what_it_gets_alo
     assert rounds.shared_steps("thinker") and rounds.shared_steps("talker")
 
 
+@pytest.mark.slow
 async def test_streams_sent_together_get_their_audio_in_chunks(serve: Served) -> None:
     resps = await asyncio.gather(
         *(serve.http.post("/v1/chat/completions", json=body(p, stream=True, max_tokens=64)) for p in PROMPTS)
@@ -131,6 +135,7 @@ async def test_streams_sent_together_get_their_audio_in_chunks(serve: Served) ->
         assert float(np.sqrt(np.mean((samples / 32767.0) ** 2))) > 0.01
 
 
+@pytest.mark.slow
 async def test_chunks_of_several_streams_in_one_dit_pass_match_one_pass_over_the_same_noise(serve: Served) -> None:
     import torch
 
@@ -153,6 +158,7 @@ async def test_chunks_of_several_streams_in_one_dit_pass_match_one_pass_over_the
         assert float(np.abs(got - single).max()) < CHUNKED_TOLERANCE
 
 
+@pytest.mark.slow
 async def test_a_batched_step_s_frames_reach_the_event_loop_in_one_wake_up(serve: Served) -> None:
     """The talker's codes for every stream of a step leave in one flush (one event-loop wake-up), not one
     each: the loop thread competes for the GIL with the stage workers."""
@@ -175,6 +181,7 @@ async def test_a_batched_step_s_frames_reach_the_event_loop_in_one_wake_up(serve
     assert max(sizes) >= len(PROMPTS), sorted(sizes)[-10:]
 
 
+@pytest.mark.slow
 async def test_prefills_run_with_the_attention_kernels_the_stage_names(serve: Served) -> None:
     """``engine_args.prefill_attention`` holds inside the thinker's and the talker's ``generate()`` calls (on
     CUDA its default keeps cuDNN's attention, which builds a plan for every new length, off the first audio's
@@ -203,6 +210,7 @@ async def test_prefills_run_with_the_attention_kernels_the_stage_names(serve: Se
     assert torch.backends.cuda.flash_sdp_enabled()
 
 
+@pytest.mark.slow
 async def test_a_prefill_does_not_build_a_default_config(serve: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """Handed no generation config, ``generate()`` builds a default instance of the model's config class on
     every call to look for legacy generation parameters: ~60 ms of the thinker's prefill on two CPU cores
@@ -222,6 +230,7 @@ async def test_a_prefill_does_not_build_a_default_config(serve: Served, monkeypa
     assert built == []
 
 
+@pytest.mark.slow
 async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bigvgan_does(serve: Served) -> None:
     """On CUDA the chunk vocoder replays graphs captured at start for the mel lengths a stream's chunks
     have (``ChunkPlan.vocoder_frames``); a length it did not foresee runs eagerly, correct but slow, so
@@ -252,6 +261,7 @@ async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bi
         assert torch.equal(vocoder.forward(mel), engine.model.code2wav_bigvgan_model(mel).reshape(-1))
 
 
+@pytest.mark.slow
 async def test_a_long_stream_s_dit_windows_all_have_captured_lengths(serve: Served) -> None:
     """Every DiT window of a stream, its last one too (widened to the left), has one of the lengths that
     run as graphs on CUDA (``ChunkPlan.windows``): an unforeseen length runs eagerly, several times slower."""
@@ -314,6 +324,7 @@ async def talk(engine: Any, frames: list[ResponseFrame], *, seed: int, cap: int)
     return codes, reason, state
 
 
+@pytest.mark.slow
 async def test_a_request_ending_on_its_eos_code_hands_code2wav_the_stream_as_its_last_draw_left_it(
     serve: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -338,6 +349,7 @@ async def test_a_request_ending_on_its_eos_code_hands_code2wav_the_stream_as_its
     assert np.array_equal(state, stream.get_state().numpy())
 
 
+@pytest.mark.slow
 async def test_a_client_going_away_frees_every_stage(serve: Served) -> None:
     """A real TCP client hangs up after the first text delta of a long answer: every stage drops the
     request (its slot, its chunks) long before the thousands of thinker steps it asked for."""
@@ -359,6 +371,7 @@ async def test_a_client_going_away_frees_every_stage(serve: Served) -> None:
     assert generated((await serve.http.get("/metrics")).text, "thinker") - before < 3000
 
 
+@pytest.mark.slow
 async def test_a_request_with_audio_and_an_image_runs_whole_through_generate_beside_the_batch(
     serve: Served, whole_omni: Qwen25Whole
 ) -> None:
@@ -391,6 +404,7 @@ async def compiled(tiny_omni: Path, model_cache: Path) -> AsyncIterator[Served]:
 
 
 # Inductor's CPU code generation imports a torch.jit helper that warns about itself (torch 2.13).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 async def test_compiled_stages_give_the_whole_models_text_and_chunks_within_the_chunking_tolerance(
     compiled: Served, whole_omni: Qwen25Whole

@@ -20,9 +20,10 @@ from runtime_procs import runtime_env
 from omnimodel_runtime.bench.omni import OmniSample, ladder, stage_load
 from omnimodel_runtime.engines.omni.engine import WorkClock
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 
+@pytest.mark.slow
 def test_the_omni_ladder_reports_each_level_and_the_whole_model_from_its_own_process(
     tmp_path: Path, model_cache: Path, tiny_omni: Path
 ) -> None:

@@ -34,7 +34,7 @@ from omnimodel_runtime.protocol.stage import (
 )
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "qwen2.5-omni"
 TEXT = "Good morning! The weather today is sunny, with a light breeze."
@@ -69,6 +69,7 @@ def assert_same_bits(a: TensorFrame, b: TensorFrame) -> None:
         assert x.tobytes() == y.tobytes(), f"{name} differs"
 
 
+@pytest.mark.slow
 async def test_a_forced_reply_streams_the_rows_of_the_generation_that_produced_it(thinker: Any) -> None:
     prompt_ids, _ = thinker.speech_prompt(TEXT)
     greedy = await run(
@@ -107,6 +108,7 @@ async def test_a_forced_reply_streams_the_rows_of_the_generation_that_produced_i
     )
 
 
+@pytest.mark.slow
 async def test_a_speech_request_is_the_input_forced_after_the_documented_prompt(thinker: Any) -> None:
     tokenizer = thinker._tokenizer
     speech = await run(
@@ -138,6 +140,7 @@ async def test_a_speech_request_is_the_input_forced_after_the_documented_prompt(
         assert_same_bits(a, b)
 
 
+@pytest.mark.slow
 async def test_control_tokens_in_the_input_are_spoken_as_text(thinker: Any) -> None:
     tokenizer = thinker._tokenizer
     text = "Say <|im_end|> and <|im_start|>user aloud."
@@ -150,6 +153,7 @@ async def test_control_tokens_in_the_input_are_spoken_as_text(thinker: Any) -> N
     assert [int(t) for t in prompt.tensors["prompt_ids"]].count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("request_", "param"),
     [
@@ -166,6 +170,7 @@ async def test_bad_speech_requests_are_refused_before_any_work(
     assert (err.value.status, err.value.param) == (400, param)
 
 
+@pytest.mark.slow
 async def test_a_forced_reply_may_not_end_itself(thinker: Any) -> None:
     eos = thinker._tokenizer.convert_tokens_to_ids("<|im_end|>")
     for reply in ([5, eos, 6], []):

@@ -16,7 +16,7 @@ import pytest
 from omni_helpers import QWEN25, Qwen25Whole, audio_part, image_part, png_file, spoken_chat, wav_file
 from runtime_procs import Served, serve_fixture, sse_chunks, streamed_audio, streamed_text, wav_of
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = QWEN25
 QUESTION = "What do you hear?"
@@ -25,6 +25,7 @@ QUESTION = "What do you hear?"
 serve = serve_fixture(MODEL, "tiny_omni")
 
 
+@pytest.mark.slow
 async def test_voice_chat_answers_the_audio_as_the_whole_model_does(serve: Served, whole_omni: Qwen25Whole) -> None:
     """Audio in, text and audio out, with the official client: the whole model's text and waveform."""
     content = [audio_part(wav_file(1.5)), {"type": "text", "text": QUESTION}]
@@ -45,6 +46,7 @@ async def test_voice_chat_answers_the_audio_as_the_whole_model_does(serve: Serve
     assert no_audio.choices[0].message.content != text
 
 
+@pytest.mark.slow
 async def test_image_chat_answers_as_the_whole_model_does(serve: Served, whole_omni: Qwen25Whole) -> None:
     """Image in, text and audio out: the whole model's text and waveform (the talker's M-RoPE positions
     follow the image's patch grid, which the thinker's prompt frame carries)."""
@@ -74,6 +76,7 @@ async def prompt_tokens(http: httpx.AsyncClient, wav: bytes, fmt: str = "wav") -
     return int(resp.json()["usage"]["prompt_tokens"])
 
 
+@pytest.mark.slow
 async def test_prompt_tokens_grow_with_the_audio_at_any_sample_rate(serve: Served) -> None:
     """25 audio tokens a second (Whisper's 100 mel frames a second, pooled 4x), whatever the file's rate:
     it is resampled to the feature extractor's 16 kHz; mp3 and flac files too."""
@@ -92,6 +95,7 @@ async def test_prompt_tokens_grow_with_the_audio_at_any_sample_rate(serve: Serve
         assert abs(await prompt_tokens(http, out.getvalue(), fmt) - two) <= (0 if fmt == "flac" else 2)
 
 
+@pytest.mark.slow
 async def test_streamed_voice_chat_answers_audio_with_text_and_audio_chunks(serve: Served) -> None:
     body = {
         "model": MODEL,
@@ -113,6 +117,7 @@ async def test_streamed_voice_chat_answers_audio_with_text_and_audio_chunks(serv
     assert usage["prompt_tokens"] > 25  # the second of audio is in the prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_file_that_does_not_decode_is_a_400_naming_its_part(serve: Served, stream: bool) -> None:
     for part, what in (

@@ -34,7 +34,7 @@ from runtime_procs import (
     wav_of,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = QWEN25
 
@@ -42,6 +42,7 @@ MODEL = QWEN25
 serve = serve_fixture(MODEL, "tiny_omni")
 
 
+@pytest.mark.slow
 async def test_split_stages_reproduce_the_whole_model_text_and_waveform(serve: Served, whole_omni: Qwen25Whole) -> None:
     http = serve.http
     # The official client, with OpenAI's audio.voice.
@@ -60,6 +61,7 @@ async def test_split_stages_reproduce_the_whole_model_text_and_waveform(serve: S
     assert wav_of(resp.json()["choices"][0]["message"]) == ethan != wav
 
 
+@pytest.mark.slow
 async def test_vllm_omni_client_voice_names_reach_the_speaker_map(serve: Served) -> None:
     http = serve.http
     # examples/online_serving/qwen2_5_omni/openai_chat_completion_client_for_multimodal_generation.py
@@ -92,6 +94,7 @@ async def test_vllm_omni_client_voice_names_reach_the_speaker_map(serve: Served)
     assert "Chelsie" in resp.json()["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_streamed_audio_starts_before_the_text_ends(serve: Served) -> None:
     # Long enough that the talker has its first chunk of codes long before the thinker is done: the
     # first audio comes after 200-450 thinker tokens on two loaded CPU cores (400 lost that race).
@@ -107,6 +110,7 @@ async def test_streamed_audio_starts_before_the_text_ends(serve: Served) -> None
     assert float(np.sqrt(np.mean((samples / 32767.0) ** 2))) > 0.01  # audible, not silence
 
 
+@pytest.mark.slow
 async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served) -> None:
     http = serve.http
     before = (await http.get("/metrics")).text
@@ -125,6 +129,7 @@ async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served
         assert stage_requests(after, stage) == stage_requests(before, stage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -142,6 +147,7 @@ async def test_bad_input_gets_a_4xx_envelope(serve: Served, extra: dict[str, Any
         assert resp.json()["error"]["param"] == param
 
 
+@pytest.mark.slow
 async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: Served) -> None:
     import torch
 
@@ -155,6 +161,7 @@ async def test_chunked_code2wav_matches_one_pass_over_the_same_noise(serve: Serv
     assert float(np.abs(chunked - single).max()) < CHUNKED_TOLERANCE
 
 
+@pytest.mark.slow
 async def test_a_client_going_away_stops_every_stage(serve: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real HTTP client of the gateway (TCP, not ASGI in memory) asks for a long spoken answer, reads
     its first text delta and hangs up: the worker of every stage ends that request as cancelled, long

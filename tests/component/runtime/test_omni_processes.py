@@ -31,7 +31,7 @@ from runtime_procs import RuntimeProcess, openai_client, runtime_env, split_depl
 
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 MODEL = QWEN25
 STAGES = ("thinker", "talker", "code2wav")
@@ -55,6 +55,7 @@ def requests_per_stage(deployment: dict[str, RuntimeProcess]) -> dict[str, float
     return {name: stage_requests(deployment[name].metrics(), name) for name in STAGES}
 
 
+@pytest.mark.slow
 def test_openai_client_gets_the_whole_models_text_and_wav(
     deployment: dict[str, RuntimeProcess], whole_omni: Qwen25Whole
 ) -> None:
@@ -68,6 +69,7 @@ def test_openai_client_gets_the_whole_models_text_and_wav(
     assert raw == wav
 
 
+@pytest.mark.slow
 def test_streamed_audio_arrives_before_the_text_ends(deployment: dict[str, RuntimeProcess]) -> None:
     # The first audio comes after a few hundred thinker tokens; with 400 the thinker could finish first.
     body = long_spoken_stream(max_tokens=2000)
@@ -92,6 +94,7 @@ def test_streamed_audio_arrives_before_the_text_ends(deployment: dict[str, Runti
     assert kinds.index("audio") < last_text
 
 
+@pytest.mark.slow
 def test_text_only_chat_never_reaches_talker_or_code2wav(deployment: dict[str, RuntimeProcess]) -> None:
     before = requests_per_stage(deployment)
     client = openai_client(deployment["gateway"].url)
@@ -102,6 +105,7 @@ def test_text_only_chat_never_reaches_talker_or_code2wav(deployment: dict[str, R
     assert after == {**before, "thinker": before["thinker"] + 1}
 
 
+@pytest.mark.slow
 def test_a_stage_process_refusing_the_voice_is_a_400_through_the_gateway(
     deployment: dict[str, RuntimeProcess],
 ) -> None:
@@ -115,6 +119,7 @@ def test_a_stage_process_refusing_the_voice_is_a_400_through_the_gateway(
     assert "Chelsie, Ethan" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_speech_through_stage_processes_streams_what_the_file_holds(deployment: dict[str, RuntimeProcess]) -> None:
     gateway = deployment["gateway"]
     # The gateway has no model files: it asks the thinker process for the voices.
@@ -136,6 +141,7 @@ def test_speech_through_stage_processes_streams_what_the_file_holds(deployment: 
     assert after == {name: count + 2 for name, count in before.items()}
 
 
+@pytest.mark.slow
 def test_voice_chat_through_stage_processes_answers_the_audio_as_the_whole_model_does(
     deployment: dict[str, RuntimeProcess], whole_omni: Qwen25Whole
 ) -> None:

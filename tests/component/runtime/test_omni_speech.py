@@ -15,7 +15,7 @@ import openai
 import pytest
 from runtime_procs import RuntimeProcess, openai_client, running, runtime_env, serve_process, wav_samples
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 MODEL = "qwen2.5-omni"
 RATE = 24000
@@ -43,6 +43,7 @@ def speak(serve: RuntimeProcess, **body: Any) -> httpx.Response:
     return httpx.post(f"{serve.url}/v1/audio/speech", json={"model": MODEL, "input": TEXT, **body}, timeout=120)
 
 
+@pytest.mark.slow
 def test_openai_client_gets_24khz_audio_and_the_stream_equals_the_file(client: openai.OpenAI) -> None:
     whole = client.audio.speech.create(model=MODEL, voice="Chelsie", input=TEXT)
     assert whole.response.headers["content-type"] == "audio/wav"
@@ -63,6 +64,7 @@ def test_openai_client_gets_24khz_audio_and_the_stream_equals_the_file(client: o
     assert np.abs(streamed.astype(int) - samples.astype(int)).max() <= STREAM_TOLERANCE_LSB
 
 
+@pytest.mark.slow
 def test_voices_are_the_speaker_map(serve: RuntimeProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{serve.url}/v1/audio/voices").json() == {"voices": ["Chelsie", "Ethan"], "default": "Chelsie"}
     chelsie = client.audio.speech.create(model=MODEL, voice="Chelsie", input=TEXT).content
@@ -80,6 +82,7 @@ def test_voices_are_the_speaker_map(serve: RuntimeProcess, client: openai.OpenAI
         assert "Chelsie, Ethan" in error["message"]
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_audio(serve: RuntimeProcess) -> None:
     first = speak(serve, seed=7, response_format="pcm")
     assert first.headers["content-type"] == "audio/pcm"
@@ -87,6 +90,7 @@ def test_the_same_seed_gives_the_same_audio(serve: RuntimeProcess) -> None:
     assert speak(serve, seed=8, response_format="pcm").content != first.content
 
 
+@pytest.mark.slow
 def test_speed_time_stretches_the_speech(serve: RuntimeProcess) -> None:
     normal = np.frombuffer(speak(serve, response_format="pcm").content, "<i2")
     frames = normal.size // 240  # BigVGAN: 240 samples per mel frame
@@ -102,6 +106,7 @@ def test_speed_time_stretches_the_speech(serve: RuntimeProcess) -> None:
     assert np.abs(streamed.astype(int) - whole.astype(int)).max() <= STREAM_TOLERANCE_LSB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -124,6 +129,7 @@ def test_bad_input_is_a_400_naming_the_field(serve: RuntimeProcess, body: dict[s
         assert resp.json()["error"]["param"] == param
 
 
+@pytest.mark.slow
 def test_a_stream_in_a_container_format_is_a_400(serve: RuntimeProcess) -> None:
     resp = speak(serve, stream=True, response_format="wav")
     assert resp.status_code == 400

@@ -24,7 +24,7 @@ import pytest
 from omni_helpers import QWEN25, Qwen25Whole, VideoInput, all_frames, audio_track, mp4_file, spoken_chat, video_part
 from runtime_procs import RuntimeProcess, openai_client, running, runtime_env, serve_process, wav_of
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 MODEL = QWEN25
 # The serve process runs its engines on one thread each, and the whole model runs on one too: the same
@@ -81,6 +81,7 @@ def settings_of(model_dir: Path) -> dict[str, Any]:
     return settings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PROCESSOR_CASES))
 def test_the_video_processor_gives_transformers_own_patches(name: str, tiny_omni: Path) -> None:
     from omnimodel_runtime.engines.omni.video import VideoProcessor
@@ -129,6 +130,7 @@ def post(serve: RuntimeProcess, content: list[dict[str, Any]], **body: Any) -> h
     return httpx.post(f"{serve.url}/v1/chat/completions", json=body, timeout=180)
 
 
+@pytest.mark.slow
 def test_video_chat_answers_as_the_whole_model_does(client: openai.OpenAI, whole_omni: Qwen25Whole) -> None:
     """A video in, text and audio out, with the official client: the whole model's text and waveform.
     The thinker's answer depends on the video's M-RoPE time positions (seconds per temporal patch); the
@@ -153,6 +155,7 @@ def test_video_chat_answers_as_the_whole_model_does(client: openai.OpenAI, whole
     assert alone.choices[0].message.content == text
 
 
+@pytest.mark.slow
 def test_the_video_audio_track_goes_in_with_use_audio_in_video(client: openai.OpenAI, whole_omni: Qwen25Whole) -> None:
     """vLLM-Omni's ``mm_processor_kwargs.use_audio_in_video``: the track is decoded and interleaved with
     the frames (2-second chunks), as the whole model takes it with the same flag."""
@@ -187,6 +190,7 @@ def prompt_tokens(serve: RuntimeProcess, content: list[dict[str, Any]]) -> int:
     return int(resp.json()["usage"]["prompt_tokens"])
 
 
+@pytest.mark.slow
 def test_prompt_tokens_grow_with_the_frames(serve: RuntimeProcess) -> None:
     """48 x 64 frames become 280 x 392 (the processor's minimum of 128 x 28 x 28 pixels): 20 x 28 patches,
     merged 2 x 2 into 140 tokens per temporal patch of 2 frames."""
@@ -197,6 +201,7 @@ def test_prompt_tokens_grow_with_the_frames(serve: RuntimeProcess) -> None:
     assert prompt_tokens(serve, [video_part(mp4_file(2, fps=30))]) == two
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_video_that_does_not_decode_is_a_400_naming_its_part(serve: RuntimeProcess, stream: bool) -> None:
     cases: list[tuple[list[dict[str, Any]], Mapping[str, Any], str, str]] = [

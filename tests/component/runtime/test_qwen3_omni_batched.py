@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import pytest_asyncio
 from omni_helpers import (
     BATCH_PROMPTS,
@@ -68,6 +69,7 @@ def body(prompt: str, **extra: Any) -> dict[str, Any]:
     return chat_body(MODEL, prompt, **{"max_tokens": 16, **extra})
 
 
+@pytest.mark.slow
 async def test_the_thinker_and_talker_serve_batched(serve: Served) -> None:
     assert serve.engine("thinker").batched
     assert serve.engine("thinker")._slots is not None
@@ -75,6 +77,7 @@ async def test_the_thinker_and_talker_serve_batched(serve: Served) -> None:
     assert serve.engine("talker")._batch is not None
 
 
+@pytest.mark.slow
 async def test_a_lone_greedy_request_gets_the_whole_models_text(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     resp = await serve.http.post("/v1/chat/completions", json={**body(""), "messages": USER})
     assert resp.status_code == 200, resp.text
@@ -84,6 +87,7 @@ async def test_a_lone_greedy_request_gets_the_whole_models_text(serve: Served, w
     assert wav_of(message) == wav
 
 
+@pytest.mark.slow
 async def test_requests_sent_together_share_steps_and_each_gets_what_it_gets_alone(greedy: Served) -> None:
     rounds = await alone_and_together(greedy.http, [body(p) for p in PROMPTS])
     for single, message in zip(rounds.alone, rounds.together, strict=True):
@@ -110,6 +114,7 @@ async def voiced(engine: Any, codes: np.ndarray, request_id: str) -> list[np.nda
     ]
 
 
+@pytest.mark.slow
 async def test_streams_sent_together_share_code2wav_passes_and_each_gets_its_audio_alone(serve: Served) -> None:
     engine = serve.engine("code2wav")
     assert engine.batched

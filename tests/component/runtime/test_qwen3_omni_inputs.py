@@ -48,6 +48,7 @@ async def spoken(serve: Served, content: list[dict[str, Any]], *, voice: str, se
     )
 
 
+@pytest.mark.slow
 async def test_voice_chat_answers_the_audio_as_the_whole_model_does(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     """A WAV in, text and audio out: the whole model's text and waveform."""
     content = [audio_part(wav_file(1.5)), {"type": "text", "text": QUESTION}]
@@ -63,6 +64,7 @@ async def test_voice_chat_answers_the_audio_as_the_whole_model_does(serve: Serve
     assert no_audio.choices[0].message.content != text
 
 
+@pytest.mark.slow
 async def test_image_chat_answers_as_the_whole_model_does(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     """An image_url data URL in, text and audio out: the whole model's text and waveform (the vision
     encoder's deepstack features join the thinker after its first layer)."""
@@ -82,6 +84,7 @@ async def test_image_chat_answers_as_the_whole_model_does(serve: Served, whole_q
     assert reply.usage.prompt_tokens - text_only.usage.prompt_tokens == 6 + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", [0, 2])
 async def test_the_talker_reads_the_thinker_at_any_accept_hidden_layer(
     serve: Served, whole_qwen3: Qwen3Whole, monkeypatch: pytest.MonkeyPatch, layer: int
@@ -99,6 +102,7 @@ async def test_the_talker_reads_the_thinker_at_any_accept_hidden_layer(
     assert wav_of(message.model_dump()) == wav != at_layer_1
 
 
+@pytest.mark.slow
 async def test_streamed_voice_chat_over_tcp_with_the_openai_client(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     """A WAV in, streamed text and audio out: the whole model's text, its waveform within the streamed
     vocoder's tolerance (``QWEN3_STREAM_TOLERANCE_LSB``, as in test_qwen3_omni_pipeline.py)."""
@@ -118,6 +122,7 @@ async def prompt_tokens(serve: Served, wav: bytes) -> int:
     return int(resp.json()["usage"]["prompt_tokens"])
 
 
+@pytest.mark.slow
 async def test_prompt_tokens_grow_with_the_audio_at_any_sample_rate(serve: Served) -> None:
     """13 audio tokens a second: the audio encoder takes 100 mel frames (1 s at 16 kHz) per chunk and
     downsamples each 8x, to 13; a file at another rate is resampled to the feature extractor's 16 kHz."""
@@ -126,6 +131,7 @@ async def test_prompt_tokens_grow_with_the_audio_at_any_sample_rate(serve: Serve
     assert await prompt_tokens(serve, wav_file(2, rate=24000)) == two
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("part", "what"),
     [
@@ -166,6 +172,7 @@ VLLM_OMNI_SAMPLING = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_vllm_omnis_qwen3_omni_client_gets_text_and_audio_for_its_audio_url(
     model_cache: Path, serve: Served
 ) -> None:

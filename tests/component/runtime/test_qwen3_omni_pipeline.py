@@ -26,6 +26,7 @@ SYSTEM = [{"role": "system", "content": "You are a tiny model."}, *USER]
 serve = serve_fixture(MODEL, "tiny_qwen3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("voice", "messages"), [("Ethan", USER), ("Chelsie", SYSTEM)])
 async def test_split_stages_reproduce_the_whole_model_text_and_waveform(
     serve: Served, whole_qwen3: Qwen3Whole, voice: str, messages: list[dict[str, str]]
@@ -40,6 +41,7 @@ async def test_split_stages_reproduce_the_whole_model_text_and_waveform(
     assert wav_of(message.model_dump()) == wav
 
 
+@pytest.mark.slow
 async def test_voices_differ_and_the_default_is_the_whole_models(serve: Served) -> None:
     body = {"model": MODEL, "messages": USER, "modalities": ["text", "audio"], "max_tokens": 8, "temperature": 0}
 
@@ -56,6 +58,7 @@ async def test_voices_differ_and_the_default_is_the_whole_models(serve: Served) 
     assert "Aiden" in resp.json()["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_streamed_answer_over_tcp_with_the_openai_client(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     chunks = await streamed_chat_over_tcp(
         serve.app, model=MODEL, messages=USER, modalities=["text", "audio"], max_tokens=16, temperature=0, seed=5
@@ -65,6 +68,7 @@ async def test_streamed_answer_over_tcp_with_the_openai_client(serve: Served, wh
     assert_qwen3_stream_matches(chunks, whole_text, wav)
 
 
+@pytest.mark.slow
 async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served) -> None:
     http = serve.http
     before = (await http.get("/metrics")).text
@@ -78,6 +82,7 @@ async def test_text_only_chat_never_reaches_the_talker_or_code2wav(serve: Served
         assert stage_requests(after, stage) == stage_requests(before, stage)
 
 
+@pytest.mark.slow
 async def test_the_tiny_model_is_byte_identical_per_seed(tmp_path: Path, tiny_qwen3: Path) -> None:
     from omnimodel_runtime.tiny import build_tiny
 

@@ -32,7 +32,6 @@ from omnimodel_runtime.serve import serve_pipeline
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.slow,
     # The whole model's talker generate() warns that its repetition penalty skips the prompt (by design).
     pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning"),
 ]
@@ -56,6 +55,7 @@ def deployment(
         yield procs
 
 
+@pytest.mark.slow
 def test_voice_chat_with_audio_and_an_image_through_stage_processes_is_the_whole_models(
     deployment: dict[str, RuntimeProcess], whole_qwen3: Qwen3Whole
 ) -> None:
@@ -77,6 +77,7 @@ def test_voice_chat_with_audio_and_an_image_through_stage_processes_is_the_whole
     assert after == {name: count + 1 for name, count in before.items()}
 
 
+@pytest.mark.slow
 def test_a_video_with_its_sound_through_stage_processes_is_the_whole_models(
     deployment: dict[str, RuntimeProcess], whole_qwen3: Qwen3Whole
 ) -> None:

@@ -59,6 +59,7 @@ async def prompt_tokens(serve: Served, content: list[dict[str, Any]], **extra: A
     return int(resp.json()["usage"]["prompt_tokens"])
 
 
+@pytest.mark.slow
 async def test_video_chat_answers_as_the_whole_model_does(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     """A video in, text and audio out: the whole model's text and waveform. Another video gives another
     waveform (the talker does hear the video rows)."""
@@ -75,6 +76,7 @@ async def test_video_chat_answers_as_the_whole_model_does(serve: Served, whole_q
     assert wav_of((await spoken(serve, other, voice="Ethan", seed=9)).choices[0].message.model_dump()) != wav
 
 
+@pytest.mark.slow
 async def test_the_video_audio_track_goes_in_with_use_audio_in_video(serve: Served, whole_qwen3: Qwen3Whole) -> None:
     """vLLM-Omni's ``mm_processor_kwargs.use_audio_in_video``: the track is decoded and interleaved with the
     frames by their time positions, as the whole model takes it with the same flag."""
@@ -97,6 +99,7 @@ async def test_the_video_audio_track_goes_in_with_use_audio_in_video(serve: Serv
     assert reply.usage.prompt_tokens - await prompt_tokens(serve, content) == track_tokens + 2
 
 
+@pytest.mark.slow
 async def test_prompt_tokens_grow_with_the_frames(serve: Served) -> None:
     """48 x 64 frames become 320 x 448 (Qwen3's minimum of 128 x 32 x 32 pixels): 20 x 28 patches of 16,
     merged 2 x 2 into 140 tokens per temporal patch of 2 frames. 384 x 512 frames stay as they are: 12 x 16
@@ -109,6 +112,7 @@ async def test_prompt_tokens_grow_with_the_frames(serve: Served) -> None:
     assert await prompt_tokens(serve, [video_part(mp4_file(2, fps=30))]) == two
 
 
+@pytest.mark.slow
 async def test_a_video_without_a_track_for_use_audio_in_video_is_a_400_naming_its_part(serve: Served) -> None:
     content = [{"type": "text", "text": QUESTION}, video_part(mp4_file(2))]
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **USE_AUDIO_IN_VIDEO}

@@ -60,12 +60,14 @@ async def reference(tiny_text: Path) -> AsyncIterator[Engine]:
     await engine.stop()
 
 
+@pytest.mark.slow
 async def test_models_endpoint_lists_the_model_with_its_context(client: openai.AsyncOpenAI) -> None:
     (model,) = (await client.models.list()).data
     assert model.id == "text"
     assert (model.model_extra or {}).get("max_model_len") in (2048, 4096)
 
 
+@pytest.mark.slow
 async def test_chat_completion_with_usage(client: openai.AsyncOpenAI) -> None:
     reply = await client.chat.completions.create(
         model="text", messages=USER, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
@@ -79,6 +81,7 @@ async def test_chat_completion_with_usage(client: openai.AsyncOpenAI) -> None:
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
 
 
+@pytest.mark.slow
 async def test_streamed_chat_arrives_in_several_chunks_and_matches_the_full_answer(client: openai.AsyncOpenAI) -> None:
     full = await client.chat.completions.create(model="text", messages=USER, max_tokens=16, temperature=0)
     stream = await client.chat.completions.create(
@@ -105,6 +108,7 @@ async def test_streamed_chat_arrives_in_several_chunks_and_matches_the_full_answ
     assert usage.completion_tokens == full.usage.completion_tokens
 
 
+@pytest.mark.slow
 async def test_completions_api_plain_and_streamed(client: openai.AsyncOpenAI) -> None:
     reply = await client.completions.create(model="text", prompt="Once upon a time", max_tokens=10, temperature=0)
     assert reply.usage is not None
@@ -119,6 +123,7 @@ async def test_completions_api_plain_and_streamed(client: openai.AsyncOpenAI) ->
     assert "".join(pieces) == text
 
 
+@pytest.mark.slow
 async def test_stop_sequence_ends_the_answer(client: openai.AsyncOpenAI) -> None:
     full = await client.chat.completions.create(
         model="text", messages=USER, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
@@ -132,6 +137,7 @@ async def test_stop_sequence_ends_the_answer(client: openai.AsyncOpenAI) -> None
     assert cut.choices[0].message.content == content[: content.index(stop)]
 
 
+@pytest.mark.slow
 async def test_requests_beyond_the_context_are_400(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model="text", messages=USER, max_tokens=100_000)
@@ -140,6 +146,7 @@ async def test_requests_beyond_the_context_are_400(client: openai.AsyncOpenAI) -
         await client.chat.completions.create(model="gpt-4", messages=USER)
 
 
+@pytest.mark.slow
 async def test_concurrent_requests_all_succeed_with_their_own_answers(client: openai.AsyncOpenAI) -> None:
     prompts = ["hi", "tell me about pods", "x y z", "a much longer question about the cluster and its nodes"]
 
@@ -155,6 +162,7 @@ async def test_concurrent_requests_all_succeed_with_their_own_answers(client: op
     assert len(set(alone)) == len(alone)
 
 
+@pytest.mark.slow
 async def test_greedy_output_equals_the_transformers_engine_called_directly(
     client: openai.AsyncOpenAI, reference: Engine
 ) -> None:
@@ -177,6 +185,7 @@ async def test_greedy_output_equals_the_transformers_engine_called_directly(
         assert served.choices[0].message.content == direct
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_prompt", [[999999], [-1], [10**23]])
 async def test_one_out_of_vocabulary_request_among_eight_good_ones_fails_alone(
     client: openai.AsyncOpenAI, bad_prompt: list[int]

@@ -35,7 +35,7 @@ from runtime_procs import (
 
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 USER = [{"role": "user", "content": "Hello there, what is the model?"}]
 # Long enough that a request is certainly still running when the test acts on it (thousands of
@@ -68,6 +68,7 @@ def _check_openai_api(url: str) -> None:
     assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
 
 
+@pytest.mark.slow
 def test_serve_runs_everything_in_one_process(tmp_path: Path, model_cache: Path, tiny_text: Path) -> None:
     serve = serve_process("text", tmp_path, runtime_env(model_cache), "--engine", "transformers")
     with running(serve):
@@ -93,6 +94,7 @@ def deployment(
         yield procs["llm"], procs["gateway"]
 
 
+@pytest.mark.slow
 def test_stage_and_gateway_processes_serve_the_openai_api(deployment: tuple[RuntimeProcess, RuntimeProcess]) -> None:
     stage, gateway = deployment
     _check_openai_api(gateway.url)
@@ -102,6 +104,7 @@ def test_stage_and_gateway_processes_serve_the_openai_api(deployment: tuple[Runt
     assert metric_value(metrics.text, "omnimodel_queue_depth", {"stage": "llm"}) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
 def test_a_client_that_goes_away_cancels_the_work_on_the_stage(
     deployment: tuple[RuntimeProcess, RuntimeProcess], stream: bool
@@ -167,6 +170,7 @@ def _gateway_health(gateway: RuntimeProcess) -> int:
     return 0 if resp is None else resp.status_code
 
 
+@pytest.mark.slow
 def test_killed_stage_fails_requests_fast_and_recovers_after_restart(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:
@@ -216,6 +220,7 @@ def test_killed_stage_fails_requests_fast_and_recovers_after_restart(
         assert reply.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_killed_stage_mid_stream_ends_the_stream_with_an_error_chunk(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:
@@ -233,6 +238,7 @@ def test_killed_stage_mid_stream_ends_the_stream_with_an_error_chunk(
         assert "lost the connection to stage 'llm'" in error["error"]["message"]
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_before_the_stage_exits(
     gateway_only: tuple[RuntimeProcess, Path], model_cache: Path
 ) -> None:

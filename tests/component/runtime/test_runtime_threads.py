@@ -16,7 +16,7 @@ from runtime_procs import RuntimeProcess, free_port, openai_client, pipeline_fil
 from omnimodel_runtime.serve import serve_pipeline
 from omnimodel_runtime.settings import THREAD_ENV, cpu_budget
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 LINE = re.compile(r"threads: (\d+) \(([^;]*); torch intra (\d+), inter (\d+), OMP (\S+)\)")
 
@@ -41,6 +41,7 @@ def threads_of(proc: RuntimeProcess) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
 def test_serve_pinned_to_one_cpu_computes_with_one_thread(tmp_path: Path, model_cache: Path, tiny_text: Path) -> None:
     cpu = min(os.sched_getaffinity(0))
@@ -67,6 +68,7 @@ def test_serve_pinned_to_one_cpu_computes_with_one_thread(tmp_path: Path, model_
         assert threads_of(serve) <= 8
 
 
+@pytest.mark.slow
 def test_stages_sharing_a_host_split_its_cpus(tmp_path: Path, model_cache: Path, tiny_text: Path) -> None:
     """Three replicas of the llm stage on loopback, as split mode by hand places its stages: the one
     started takes a third of the CPUs (at least one), not all of them as torch would by itself."""

@@ -78,6 +78,7 @@ async def run(eng: Engine, prompt: str, **sampling: Any) -> tuple[str, list[int]
     return text, ids, final
 
 
+@pytest.mark.slow
 async def test_greedy_generation_is_readable_and_accounted(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     text, ids, final = await run(eng, "hi", max_tokens=24, temperature=0.0)
@@ -90,6 +91,7 @@ async def test_greedy_generation_is_readable_and_accounted(engine: tuple[Engine,
     assert len(set(ids)) > 5  # random weights, but not one token repeated
 
 
+@pytest.mark.slow
 async def test_concurrent_requests_share_forward_passes_and_match_sequential_output(
     engine: tuple[Engine, RecordingMetrics],
 ) -> None:
@@ -110,6 +112,7 @@ async def test_concurrent_requests_share_forward_passes_and_match_sequential_out
     assert len(metrics.batches) < sum(lengths)
 
 
+@pytest.mark.slow
 async def test_seeded_sampling_is_reproducible_and_seed_dependent(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     runs = await asyncio.gather(
@@ -123,6 +126,7 @@ async def test_seeded_sampling_is_reproducible_and_seed_dependent(engine: tuple[
     assert other[1] != again[1]
 
 
+@pytest.mark.slow
 async def test_top_p_near_zero_is_greedy(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     greedy = await run(eng, "hello", max_tokens=20, temperature=0.0)
@@ -130,6 +134,7 @@ async def test_top_p_near_zero_is_greedy(engine: tuple[Engine, RecordingMetrics]
     assert nucleus[1] == greedy[1]
 
 
+@pytest.mark.slow
 async def test_stop_strings_end_generation_without_the_stop_text(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     full, _, _ = await run(eng, "hi", max_tokens=40, temperature=0.0)
@@ -139,6 +144,7 @@ async def test_stop_strings_end_generation_without_the_stop_text(engine: tuple[E
     assert text == full[: full.index(stop)]
 
 
+@pytest.mark.slow
 async def test_a_closed_stream_leaves_the_batch(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, metrics = engine
     request = StageRequest(
@@ -155,6 +161,7 @@ async def test_a_closed_stream_leaves_the_batch(engine: tuple[Engine, RecordingM
     assert max(metrics.batches) == 1
 
 
+@pytest.mark.slow
 async def test_bad_requests_are_rejected_with_400(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     with pytest.raises(StageError, match="maximum context length is 4096") as info:
@@ -165,6 +172,7 @@ async def test_bad_requests_are_rejected_with_400(engine: tuple[Engine, Recordin
     assert info.value.status == 400
 
 
+@pytest.mark.slow
 async def test_expired_deadline_is_a_504(engine: tuple[Engine, RecordingMetrics]) -> None:
     eng, _ = engine
     request = StageRequest(
@@ -176,6 +184,7 @@ async def test_expired_deadline_is_a_504(engine: tuple[Engine, RecordingMetrics]
     assert info.value.status == 504
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode", DECODES)
 async def test_a_burst_waits_for_the_batch_window_and_starts_as_one_batch(tiny_text: Path, decode: str) -> None:
     metrics = RecordingMetrics()
@@ -193,6 +202,7 @@ async def test_a_burst_waits_for_the_batch_window_and_starts_as_one_batch(tiny_t
         await eng.stop()
 
 
+@pytest.mark.slow
 async def test_a_request_whose_forward_pass_fails_fails_alone_in_its_batch(
     engine: tuple[Engine, RecordingMetrics], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +232,7 @@ async def test_a_request_whose_forward_pass_fails_fails_alone_in_its_batch(
 
 
 # Inductor's CPU code generation imports a torch.jit helper that warns about itself (torch 2.13).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 async def test_a_compiled_static_decode_writes_what_the_eager_one_writes(tiny_text: Path) -> None:
     """``decode_compile`` (the default on CUDA, where the compiled layers are then captured as graphs): the

@@ -27,7 +27,7 @@ from runtime_procs import (
 
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 HEALTH_INTERVAL = 0.5
 HEALTH_TIMEOUT = 1.0
@@ -73,6 +73,7 @@ def _ask(gateway: RuntimeProcess, **extra: Any) -> tuple[int, float, dict[str, A
     return resp.status_code, time.monotonic() - started, resp.json()
 
 
+@pytest.mark.slow
 def test_a_stopped_replica_is_skipped_then_none_left_is_a_fast_503_then_both_come_back(
     replicas: tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess],
 ) -> None:

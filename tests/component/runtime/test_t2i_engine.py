@@ -140,6 +140,7 @@ async def generate(deployed: Deployed, prompt: str, **params: Any) -> np.ndarray
     return await images_of(deployed, request)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -169,6 +170,7 @@ async def test_split_and_whole_give_the_diffusers_pipelines_pixels(
     assert np.array_equal(await generate(whole, prompt, **params), expected)
 
 
+@pytest.mark.slow
 async def test_bfloat16_stages_hand_off_exactly(tiny_t2i: Path) -> None:
     """bfloat16 (what accelerators run) has no numpy dtype: embeddings and latents cross between stages as
     raw bits, so the split still gives diffusers' bf16 pixels."""
@@ -180,6 +182,7 @@ async def test_bfloat16_stages_hand_off_exactly(tiny_t2i: Path) -> None:
         assert np.array_equal(await generate(deployed, "a dragon over a city", **params), expected)
 
 
+@pytest.mark.slow
 async def test_the_seed_decides_the_image_and_the_prompt_changes_it(split: Deployed) -> None:
     a = await generate(split, "a red cat", seed=5)
     assert np.array_equal(a, await generate(split, "a red cat", seed=5))
@@ -187,6 +190,7 @@ async def test_the_seed_decides_the_image_and_the_prompt_changes_it(split: Deplo
     assert not np.array_equal(a, await generate(split, "a green car", seed=5))
 
 
+@pytest.mark.slow
 async def test_concurrent_compatible_requests_denoise_as_one_batch_with_their_own_results(split: Deployed) -> None:
     alone = [await generate(split, p, seed=100 + i) for i, p in enumerate(PROMPTS)]
     metrics = split.metrics["denoise"]
@@ -197,6 +201,7 @@ async def test_concurrent_compatible_requests_denoise_as_one_batch_with_their_ow
         assert_rounding_only(one, batched)
 
 
+@pytest.mark.slow
 async def test_requests_of_different_sizes_are_not_batched_together(split: Deployed) -> None:
     metrics = split.metrics["denoise"]
     metrics.batches.clear()
@@ -206,6 +211,7 @@ async def test_requests_of_different_sizes_are_not_batched_together(split: Deplo
     assert sorted(metrics.batches) == [2, 2]
 
 
+@pytest.mark.slow
 async def test_a_batch_waits_only_a_bounded_time_for_requests_still_on_their_way(tiny_t2i: Path) -> None:
     stage = get_preset("text-to-image").pipeline(ModelSource(source="tiny://x")).stage("denoise")
     stage = stage.model_copy(update={"engine_args": {"batch_wait": 0.5}})
@@ -244,6 +250,7 @@ async def test_a_batch_waits_only_a_bounded_time_for_requests_still_on_their_way
         await engine.stop()
 
 
+@pytest.mark.slow
 async def test_a_request_that_goes_away_leaves_the_others_of_its_batch_intact(split: Deployed) -> None:
     alone = [await generate(split, p, seed=200 + i) for i, p in enumerate(PROMPTS[:3])]
     tasks = [asyncio.create_task(generate(split, p, seed=200 + i)) for i, p in enumerate(PROMPTS[:3])]
@@ -263,6 +270,7 @@ async def test_a_request_that_goes_away_leaves_the_others_of_its_batch_intact(sp
     assert np.array_equal(await generate(split, PROMPTS[0], seed=200), alone[0])
 
 
+@pytest.mark.slow
 async def test_each_stage_loads_only_its_components(split: Deployed, whole: Deployed) -> None:
     assert split.engines["encode"].components == ("text_encoder", "tokenizer")
     assert split.engines["denoise"].components == ("scheduler", "transformer")
@@ -270,6 +278,7 @@ async def test_each_stage_loads_only_its_components(split: Deployed, whole: Depl
     assert whole.engines["t2i"].components == ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 
 
+@pytest.mark.slow
 async def test_a_stage_refuses_a_size_its_model_cannot_draw_with_a_400(split: Deployed) -> None:
     with pytest.raises(StageError) as err:
         await generate(split, "a cat", width=30, height=30)
@@ -277,6 +286,7 @@ async def test_a_stage_refuses_a_size_its_model_cannot_draw_with_a_400(split: De
     assert err.value.param == "size"
 
 
+@pytest.mark.slow
 async def test_one_step_is_a_400_naming_the_field_on_a_scheduler_with_a_terminal_shift(
     split: Deployed, whole: Deployed
 ) -> None:
@@ -336,6 +346,7 @@ def block_batches(engine: DiffusersImageEngine) -> Iterator[list[int]]:
 CFG = {"negative_prompt": "blurry, ugly", "true_cfg_scale": 3.0}
 
 
+@pytest.mark.slow
 async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per_step(
     cfg_batched: Deployed, diffusers_pipe: Any
 ) -> None:
@@ -352,6 +363,7 @@ async def test_cfg_batch_runs_both_guidance_branches_as_one_transformer_call_per
     assert np.array_equal(plain, direct(diffusers_pipe, prompt, seed=12))
 
 
+@pytest.mark.slow
 async def test_cfg_batch_encodes_the_prompt_and_the_negative_prompt_in_one_text_encoder_pass(
     cfg_batched: Deployed, diffusers_pipe: Any
 ) -> None:
@@ -381,6 +393,7 @@ async def test_cfg_batch_encodes_the_prompt_and_the_negative_prompt_in_one_text_
         torch.testing.assert_close(together[name], row, rtol=0, atol=1e-5 * float(row.abs().max()))
 
 
+@pytest.mark.slow
 async def test_cfg_batch_in_a_batch_of_requests_keeps_each_requests_image(cfg_batched: Deployed) -> None:
     negatives = ["blurry", "ugly, low quality, watermark, text", "dark", "noise"]  # of other lengths than PROMPTS
     kw = [{"seed": 300 + i, "negative_prompt": neg, "true_cfg_scale": 2.5} for i, neg in enumerate(negatives)]
@@ -395,6 +408,7 @@ async def test_cfg_batch_in_a_batch_of_requests_keeps_each_requests_image(cfg_ba
         assert_rounding_only(one, batched)
 
 
+@pytest.mark.slow
 async def test_fused_blocks_take_each_request_s_modulation_rows_from_its_own_schedule(
     tiny_t2i: Path, diffusers_pipe: Any
 ) -> None:
@@ -414,6 +428,7 @@ async def test_fused_blocks_take_each_request_s_modulation_rows_from_its_own_sch
             )
 
 
+@pytest.mark.slow
 async def test_batched_guidance_gives_the_pipelines_pixels_and_leaves_the_pipeline_as_it_was(
     diffusers_pipe: Any,
 ) -> None:
@@ -448,6 +463,7 @@ async def test_bfloat16_crosses_the_wire_bit_for_bit() -> None:
     assert torch.equal(back["b"], tensors["b"])
 
 
+@pytest.mark.slow
 async def test_vae_2d_decodes_single_frames_with_2d_convolutions_and_keeps_the_pixels(
     tiny_t2i: Path, diffusers_pipe: Any
 ) -> None:

@@ -113,6 +113,7 @@ def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> None:
     pipeline = get_preset("text-to-image").pipeline(ModelSource(source=f"file://{tiny_flux}"))
     cfg = {"negative_prompt": "bad quality", "true_cfg_scale": 2.0}
@@ -134,6 +135,7 @@ async def test_a_split_flux_pipeline_gives_diffusers_pixels(tiny_flux: Path) -> 
         assert np.array_equal(got, want)
 
 
+@pytest.mark.slow
 async def test_flux_encodes_its_prompts_under_cfg_batch_as_without_it(tiny_flux: Path) -> None:
     """``cfg_batch``'s one-pass encoding is Qwen-Image's: FLUX (two encoders, pooled rows, no masks) encodes
     the prompt and the negative prompt as without it, one after the other."""

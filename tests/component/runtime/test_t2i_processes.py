@@ -25,13 +25,14 @@ from stage_engines import diffusers_images, diffusers_pipeline
 
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 MODEL = "text-to-image"
 # One intra-op thread per process: four runtime processes share a small box.
 THREADS = {"OMP_NUM_THREADS": 1}
 
 
+@pytest.mark.slow
 def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, tiny_t2i: Path) -> None:
     serve = serve_process(MODEL, tmp_path, runtime_env(model_cache, **THREADS))
     with running(serve):
@@ -74,6 +75,7 @@ def test_serve_answers_the_openai_images_api(tmp_path: Path, model_cache: Path, 
         assert err.value.body["param"] == "size"  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_three_stage_processes_give_the_diffusers_pipelines_pixels(
     tmp_path: Path, model_cache: Path, tiny_t2i: Path
 ) -> None:

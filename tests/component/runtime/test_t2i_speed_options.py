@@ -71,6 +71,7 @@ def block_calls(pipe: Any) -> Iterator[list[int]]:
     hook.remove()
 
 
+@pytest.mark.slow
 def test_a_pinned_attention_kernel_draws_the_same_image(pipe: Any, exact: np.ndarray) -> None:
     # On CPU PyTorch's own choice for these unmasked fp32 calls is its flash kernel; pinning it changes nothing.
     speed_up(pipe, attention="flash")
@@ -81,6 +82,7 @@ def test_a_pinned_attention_kernel_draws_the_same_image(pipe: Any, exact: np.nda
         pipe.transformer.set_attention_backend("native")
 
 
+@pytest.mark.slow
 def test_a_pinned_kernel_that_cannot_serve_the_call_fails_it(pipe: Any) -> None:
     # cuDNN's attention exists on CUDA only: the engine does not fall back quietly to another kernel.
     speed_up(pipe, attention="cudnn")
@@ -91,6 +93,7 @@ def test_a_pinned_kernel_that_cannot_serve_the_call_fails_it(pipe: Any) -> None:
         pipe.transformer.set_attention_backend("native")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -108,6 +111,7 @@ def test_a_misspelt_speed_option_is_refused_by_name(pipe: Any, args: dict[str, s
     assert all("forward" not in vars(block) for block in pipe.transformer.transformer_blocks)
 
 
+@pytest.mark.slow
 def test_taylorseer_skips_block_steps_and_stays_near_the_exact_image(
     pipe: Any, exact: np.ndarray, block_calls: list[int]
 ) -> None:
@@ -134,6 +138,7 @@ def mlp_calls(pipe: Any) -> Iterator[list[int]]:
     hook.remove()
 
 
+@pytest.mark.slow
 def test_a_block_scoped_taylorseer_skips_whole_blocks(pipe: Any, exact: np.ndarray, mlp_calls: list[int]) -> None:
     speed_up(pipe, cache="taylorseer", cache_interval=3, cache_warmup=3, cache_scope="blocks")
     try:
@@ -149,6 +154,7 @@ def test_a_block_scoped_taylorseer_skips_whole_blocks(pipe: Any, exact: np.ndarr
 
 # Inductor's CPU code generation imports a torch.jit helper that warns about itself (torch 2.13), and leaves
 # Qwen-Image's complex-number rotary embedding to eager kernels (it says so; the GPU figures include that).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators:UserWarning")
 def test_compiled_blocks_under_the_block_cache_draw_the_eager_cached_image(pipe: Any) -> None:
@@ -186,6 +192,7 @@ def fused(pipe: Any) -> Iterator[Any]:
         unfuse_blocks(pipe.transformer)
 
 
+@pytest.mark.slow
 def test_fused_blocks_draw_diffusers_image(fused: Any, exact: np.ndarray) -> None:
     # The rotation in real arithmetic and the MLP's product + GELU as one op: on CPU in float32 the same
     # operations (the GPU's epilogue rounds once less; bench/t2i_kernels.py states it). The attention runs
@@ -208,6 +215,7 @@ def text_lengths(pipe: Any) -> Iterator[list[Any]]:
     handle.remove()
 
 
+@pytest.mark.slow
 def test_fused_blocks_under_cfg_batch_attend_each_branch_over_its_own_prompt(
     fused: Any, exact: np.ndarray, text_lengths: list[Any]
 ) -> None:
@@ -224,6 +232,7 @@ def test_fused_blocks_under_cfg_batch_attend_each_branch_over_its_own_prompt(
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"  # batched products' rounding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batched", [False, True], ids=["sequential-cfg", "cfg-batch"])
 def test_a_modulation_schedule_computes_every_step_s_rows_once_and_draws_the_exact_image(
     fused: Any, exact: np.ndarray, batched: bool
@@ -254,6 +263,7 @@ def _transformer_call(transformer: Any, timestep: float) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow
 def test_a_call_off_the_schedule_fails_its_schedule_instead_of_taking_another_step_s_rows(fused: Any) -> None:
     schedule = SimpleNamespace(
         transformer=fused.transformer, scheduler=SimpleNamespace(timesteps=torch.tensor([900.0, 500.0]))
@@ -273,6 +283,7 @@ def test_fusing_a_transformer_without_qwen_image_blocks_is_refused_by_name() -> 
         fuse_blocks(SimpleNamespace(transformer_blocks=[SimpleNamespace(attn=None)]))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_fused_blocks_under_cfg_batch_compile_whole_and_draw_the_exact_image(
     pipe: Any, exact: np.ndarray, text_lengths: list[Any]
@@ -299,6 +310,7 @@ def test_compiled_fused_blocks_under_cfg_batch_compile_whole_and_draw_the_exact_
     assert diff.max() <= 1, f"max pixel difference {diff.max()}"
 
 
+@pytest.mark.slow
 def test_fused_cfg_batch_of_several_images_gives_each_row_its_own_prompt_length(
     fused: Any, text_lengths: list[Any]
 ) -> None:
@@ -360,6 +372,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_the_norm_rope_kernel_writes_the_joint_queries_and_keys_that_draw_diffusers_image(tiny_t2i: Path) -> None:
     # On the GPU (engines/t2i/kernels.py) one Triton launch a block norms and rotates both streams' queries and
     # keys into the joint [image; text] tensors, a program a (32 tokens x head x query or key). Here the same
@@ -386,6 +399,7 @@ def test_vae_2d_on_a_vae_without_causal_3d_convolutions_is_refused_by_name() -> 
         vae_2d(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3)))
 
 
+@pytest.mark.slow
 def test_vae_2d_decodes_and_encodes_one_frame_as_diffusers_does_and_undoes(pipe: Any) -> None:
     # Every causal convolution's single-frame output from its last time tap alone: no 3D convolution runs
     # (the encoder's time-strided one only runs on later frames), float32 on CPU gives the same values up to

@@ -91,6 +91,7 @@ def tensor(frames: list[ResponseFrame], name: str) -> np.ndarray:
     return np.asarray(found)
 
 
+@pytest.mark.slow
 async def test_frames_are_the_diffusers_pipelines_pixels(engine: DiffusersVideoEngine, diffusers_pipe: Any) -> None:
     kwargs: dict[str, Any] = {"negative_prompt": "blurry, static", "guidance_scale": 4.0, "guidance_scale_2": 2.0}
     frames = await run(engine, request(num_frames=9, width=48, height=32, seed=11, output="frames", **kwargs))
@@ -125,6 +126,7 @@ async def test_frames_are_the_diffusers_pipelines_pixels(engine: DiffusersVideoE
     assert np.array_equal(again, got)
 
 
+@pytest.mark.slow
 async def test_the_mp4_decodes_to_the_requested_frames_and_size(engine: DiffusersVideoEngine) -> None:
     frames = await run(engine, request(num_frames=13, width=64, height=32, fps=8, seed=3))
     accepted, progress = (
@@ -149,6 +151,7 @@ async def test_the_mp4_decodes_to_the_requested_frames_and_size(engine: Diffuser
     assert np.abs(np.stack(decoded).astype(int) - raw.astype(int)).mean() < 8
 
 
+@pytest.mark.slow
 async def test_seconds_become_the_nearest_frame_count_of_the_models_form(engine: DiffusersVideoEngine) -> None:
     frames = await run(engine, request(seconds=1.0, fps=8, seed=1, num_inference_steps=2))
     first = frames[0]
@@ -156,6 +159,7 @@ async def test_seconds_become_the_nearest_frame_count_of_the_models_form(engine:
     assert first.meta["accepted"]["num_frames"] == 9  # 8 frames a second, rounded to 4k+1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -207,11 +211,13 @@ async def test_a_video_beyond_the_rotary_embeddings_positions_is_a_400(params: T
     resolve(TextToVideoParams(width=512, height=512, num_frames=125), small)
 
 
+@pytest.mark.slow
 async def test_the_loaded_model_states_what_its_rotary_embedding_covers(engine: DiffusersVideoEngine) -> None:
     # Wan2.2's rope_max_seq_len, 1024 positions an axis: OpenAI's largest size, 1792 pixels, is 112 patches.
     assert (engine.defaults.max_side, engine.defaults.max_frames) == (1024 * 16, (1024 - 1) * 4 + 1)
 
 
+@pytest.mark.slow
 async def test_a_caller_that_leaves_stops_the_denoise_loop(engine: DiffusersVideoEngine) -> None:
     calls: list[int] = []
     hooks = [
@@ -235,6 +241,7 @@ async def test_a_caller_that_leaves_stops_the_denoise_loop(engine: DiffusersVide
     assert len(calls) < 2 * 10 + 2 * 2
 
 
+@pytest.mark.slow
 async def test_a_queued_request_gets_keepalive_frames_until_it_runs(engine: DiffusersVideoEngine) -> None:
     """A gateway reading a remote stage must hear from a job waiting behind another one."""
     engine.keepalive = 0.05

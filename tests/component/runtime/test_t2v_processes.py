@@ -26,7 +26,6 @@ from omnimodel_testbed.procs import apoll, poll
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.slow,
     # openai 2.x warns that OpenAI's own (Sora) service shuts down; its videos resource is still the API
     # shape vLLM-Omni and this server answer.
     pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
@@ -46,6 +45,7 @@ def finished(client: openai.OpenAI, video_id: str, timeout: float = 60.0) -> Vid
     return poll(ended, timeout=timeout, what=f"video {video_id} completed or failed", interval=0.05)
 
 
+@pytest.mark.slow
 def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, tiny_t2v: Path) -> None:
     serve = RuntimeProcess(
         "serve",
@@ -108,6 +108,7 @@ def test_serve_answers_the_openai_videos_api(tmp_path: Path, model_cache: Path, 
         assert [v.id for v in client.videos.list().data] == [after.id, slow.id]
 
 
+@pytest.mark.slow
 async def test_a_video_of_the_default_size_is_made(model_cache: Path, tiny_t2v: Path) -> None:
     """A request without a size gets WanPipeline's default, 832x480 (in process, the same serve app). The
     tiny model made no video at it, nor at any of OpenAI's sizes (each a failed job, a 500), while its
@@ -141,6 +142,7 @@ def test_the_shipped_keepalive_is_well_inside_the_shipped_stage_read_timeout() -
     assert RuntimeSettings.model_fields["stage_read_timeout"].default >= KEEPALIVE * 4
 
 
+@pytest.mark.slow
 def test_a_job_queued_on_a_remote_stage_outlives_the_stage_read_timeout(
     tmp_path: Path, model_cache: Path, tiny_t2v: Path
 ) -> None:

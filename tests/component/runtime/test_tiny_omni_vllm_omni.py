@@ -28,7 +28,7 @@ from omnimodel_runtime.tiny.omni_vllm_omni import (
     THINKER_VOCAB,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(PRESET, tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
+@pytest.mark.slow
 def test_vocabularies_and_control_ids_are_the_released_ones(model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     assert config.thinker_config.text_config.vocab_size == THINKER_VOCAB
@@ -56,6 +57,7 @@ def test_vocabularies_and_control_ids_are_the_released_ones(model_dir: Path) -> 
     assert (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index) == (151646, 151655, 151656)
 
 
+@pytest.mark.slow
 def test_tokenizer_puts_special_tokens_at_released_ids(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_IDS} == SPECIAL_IDS
@@ -66,6 +68,7 @@ def test_tokenizer_puts_special_tokens_at_released_ids(model_dir: Path) -> None:
     assert tok.audio_token == "<|AUDIO|>"
 
 
+@pytest.mark.slow
 def test_speakers_processor_and_output_rows(model_dir: Path) -> None:
     speakers = torch.load(model_dir / "spk_dict.pt")
     assert {v: speakers[v]["bos_token"] for v in speakers} == SPEAKER_BOS == {"Ethan": 151870, "Chelsie": 151872}

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 from omnimodel_runtime.tiny import build_tiny
 from omnimodel_runtime.tiny.qwen3_omni_vllm import PRESET, ROLE_IDS, SPECIAL_IDS
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(PRESET, tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
+@pytest.mark.slow
 def test_tokens_sit_at_the_ids_vllm_omni_hard_codes(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_IDS} == SPECIAL_IDS
@@ -53,6 +54,7 @@ def test_tokens_sit_at_the_ids_vllm_omni_hard_codes(model_dir: Path) -> None:
     assert (tok.audio_bos_token, tok.vision_bos_token) == ("<|audio_start|>", "<|vision_start|>")
 
 
+@pytest.mark.slow
 def test_config_geometry(model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     thinker, talker, code2wav = config.thinker_config, config.talker_config, config.code2wav_config
@@ -74,6 +76,7 @@ def test_config_geometry(model_dir: Path) -> None:
     assert pre["processor_class"] == "Qwen3OmniMoeProcessor" and pre["patch_size"] == vision.patch_size
 
 
+@pytest.mark.slow
 def test_output_rows(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:

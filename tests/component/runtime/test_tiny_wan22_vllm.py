@@ -18,7 +18,7 @@ from diffusers import WanPipeline
 from omnimodel_runtime.tiny import build_tiny
 from omnimodel_runtime.tiny.wan22_vllm import LATENT_CHANNELS, PRESET
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def read(path: Path) -> dict[str, object]:
     return loaded
 
 
+@pytest.mark.slow
 def test_the_checkpoint_says_ti2v_5b(model_dir: Path) -> None:
     index = read(model_dir / "model_index.json")
     assert index["_class_name"] == "WanPipeline" and index["expand_timesteps"] is True
@@ -45,6 +46,7 @@ def test_the_checkpoint_says_ti2v_5b(model_dir: Path) -> None:
     assert len(vae["latents_mean"]) == len(vae["latents_std"]) == 48  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_diffusers_makes_a_video_of_the_asked_size(model_dir: Path) -> None:
     """Loadable as the released checkpoint is: 5 frames (4k + 1) of 32 × 64 pixels, not constant."""
     pipe = WanPipeline.from_pretrained(model_dir)

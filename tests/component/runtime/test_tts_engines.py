@@ -132,6 +132,7 @@ def _reference_mel(model_dir: Path, text: str, voice: str, seed: int) -> torch.T
     return mel
 
 
+@pytest.mark.slow
 async def test_acoustic_mel_equals_generate_whole_and_streamed(acoustic: Engine, tiny_tts: Path) -> None:
     reference = _reference_mel(tiny_tts, TEXT, "alto", seed=5).numpy()
     (whole,), final = await _mel(acoustic, _request(stream=False))
@@ -143,6 +144,7 @@ async def test_acoustic_mel_equals_generate_whole_and_streamed(acoustic: Engine,
     np.testing.assert_allclose(np.concatenate(streamed), reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 async def test_utterances_decoded_side_by_side_equal_their_solo_runs(acoustic: Engine) -> None:
     texts = ["A short one.", "A somewhat longer sentence to speak.", "Three!"]
     solo = [(await _mel(acoustic, _request(t, stream=False)))[0][0] for t in texts]
@@ -154,6 +156,7 @@ async def test_utterances_decoded_side_by_side_equal_their_solo_runs(acoustic: E
     assert not np.array_equal(other, solo[0])
 
 
+@pytest.mark.slow
 async def test_speed_changes_the_number_of_mel_frames(acoustic: Engine) -> None:
     (normal,), _ = await _mel(acoustic, _request(stream=False))
     (fast,), _ = await _mel(acoustic, _request(stream=False, speed=2.0))
@@ -162,6 +165,7 @@ async def test_speed_changes_the_number_of_mel_frames(acoustic: Engine) -> None:
     assert len(slow) == 2 * (len(normal) - 1) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -177,6 +181,7 @@ async def test_bad_input_is_a_400(acoustic: Engine, request_: StageRequest, mess
     assert err.value.status == 400
 
 
+@pytest.mark.slow
 async def test_a_caller_that_goes_away_stops_the_decoding(acoustic: Engine) -> None:
     short = _request("Short.", stream=False)
     _, done = await _mel(acoustic, short)
@@ -192,6 +197,7 @@ async def test_a_caller_that_goes_away_stops_the_decoding(acoustic: Engine) -> N
     assert STEPS.steps - before == short_steps
 
 
+@pytest.mark.slow
 async def test_voices_query_lists_the_shipped_voices(acoustic: Engine) -> None:
     request = StageRequest(request_id="v", params=StageParams(query="voices"))
     frames = [f async for f in acoustic.generate(StageInput(request=request))]
@@ -215,6 +221,7 @@ async def _vocode(engine: Engine, mel: np.ndarray, *, stream: bool) -> list[np.n
     return out
 
 
+@pytest.mark.slow
 async def test_chunked_vocoding_equals_whole_utterance_vocoding(vocoder: Engine, tiny_tts: Path) -> None:
     mel = _reference_mel(tiny_tts, TEXT, "alto", seed=5).numpy()
     (whole,) = await _vocode(vocoder, mel, stream=False)
@@ -235,6 +242,7 @@ async def test_chunked_vocoding_equals_whole_utterance_vocoding(vocoder: Engine,
     assert np.abs(pcm_joined - pcm_whole).max() <= 1
 
 
+@pytest.mark.slow
 async def test_vocoder_context_covers_its_receptive_field(vocoder: Engine, tiny_tts: Path) -> None:
     model = SpeechT5HifiGan.from_pretrained(tiny_tts / "vocoder").eval()
     frames, at = 120, 60
@@ -247,6 +255,7 @@ async def test_vocoder_context_covers_its_receptive_field(vocoder: Engine, tiny_
     assert 0 < reach <= vocoder.context_frames  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_tiny_model_speaks_audibly(vocoder: Engine, tiny_tts: Path) -> None:
     mel = _reference_mel(tiny_tts, TEXT, "default", seed=0).numpy()
     (audio,) = await _vocode(vocoder, mel, stream=False)
@@ -263,6 +272,7 @@ def _digest(root: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 async def test_tiny_build_is_deterministic_by_seed(tiny_tts: Path, tmp_path: Path) -> None:
     again = build_tiny("tts", tmp_path / "again", seed=0)
     assert _digest(again) == _digest(tiny_tts)

@@ -24,7 +24,7 @@ from runtime_procs import (
 
 from omnimodel_runtime.serve import serve_pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 # 4 mel frames per token on the tiny model: long enough that decoding is still going on (well over a
@@ -62,6 +62,7 @@ def _streamed(client: openai.OpenAI, text: str) -> tuple[int, list[bytes]]:
         return rate, list(resp.iter_bytes())
 
 
+@pytest.mark.slow
 def test_openai_client_gets_audio_and_its_stream_equals_the_whole_response(serve: RuntimeProcess) -> None:
     client = openai_client(serve.url)
     whole = client.audio.speech.create(model="tts", voice="alto", input=TEXT)
@@ -84,6 +85,7 @@ def test_openai_client_gets_audio_and_its_stream_equals_the_whole_response(serve
     assert np.abs(streamed.astype(int) - pcm.astype(int)).max() <= 2
 
 
+@pytest.mark.slow
 def test_first_audio_leaves_while_the_acoustic_stage_is_still_decoding(serve: RuntimeProcess) -> None:
     body = {"model": "tts", "voice": "default", "input": LONG, "stream": True}
     with httpx.stream("POST", f"{serve.url}/v1/audio/speech", json=body, timeout=120) as resp:
@@ -98,6 +100,7 @@ def test_first_audio_leaves_while_the_acoustic_stage_is_still_decoding(serve: Ru
     assert in_flight == 1, "the first audio bytes should arrive before the acoustic stage has finished"
 
 
+@pytest.mark.slow
 def test_separate_stage_processes_give_the_same_audio_as_in_process(
     serve: RuntimeProcess, split: tuple[RuntimeProcess, RuntimeProcess, RuntimeProcess]
 ) -> None:
@@ -117,6 +120,7 @@ def test_separate_stage_processes_give_the_same_audio_as_in_process(
         assert (metric_value(metrics.text, "omnimodel_stage_requests_total", {"outcome": "ok"}) or 0) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "param"),
     [

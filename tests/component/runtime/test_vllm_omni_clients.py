@@ -17,7 +17,7 @@ import openai
 import pytest
 from runtime_procs import openai_client, png_pixels, running, runtime_env, serve_process
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 # One intra-op thread: the box is small and shared.
 THREADS = {"OMP_NUM_THREADS": 1}
@@ -41,6 +41,7 @@ def _chat_images(body: dict[str, Any]) -> list[np.ndarray]:
     return [png_pixels(part["image_url"]["url"].split(",", 1)[1]) for part in content]
 
 
+@pytest.mark.slow
 def test_text_to_image_chat_client_and_benchmark_get_the_size_steps_and_seed_they_ask_for(t2i: str) -> None:
     def chat_client(seed: int) -> list[np.ndarray]:
         # openai_chat_client.generate_image: no model, parameters in a nested extra_body.
@@ -84,6 +85,7 @@ def test_text_to_image_chat_client_and_benchmark_get_the_size_steps_and_seed_the
     assert not np.array_equal(more_steps, first)
 
 
+@pytest.mark.slow
 def test_images_api_with_nested_extra_body_and_stream(t2i: str) -> None:
     # curl-style /v1/images/generations with the extension fields nested as the SDK's extra_body.
     body = {"prompt": "a fox", "size": "32x16", "extra_body": {"seed": 7, "num_inference_steps": 2}}
@@ -113,6 +115,7 @@ def test_images_api_with_nested_extra_body_and_stream(t2i: str) -> None:
     assert np.array_equal(png_pixels(events[0].b64_json), nested)
 
 
+@pytest.mark.slow
 def test_speech_takes_openai_voice_names_and_lists_the_voices_otherwise(tmp_path: Path, model_cache: Path) -> None:
     for url in _serve("tts", tmp_path, model_cache):
         with openai_client(url) as client:

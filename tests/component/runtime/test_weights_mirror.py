@@ -21,8 +21,6 @@ from runtime_procs import free_port, png_pixels, running, runtime_env, serve_pro
 from omnimodel_runtime.pipeline import ModelSource, Pipeline, get_preset, needs_weight_map, select_files
 from omnimodel_testbed.hfmirror import HubMirror, shard_by_prefix
 
-pytestmark = [pytest.mark.slow]
-
 T2I, TTS, OMNI, PRIVATE = "acme/tiny-t2i", "acme/tiny-tts", "acme/tiny-omni", "acme/private-tts"
 PRESET_OF = {T2I: "text-to-image", TTS: "tts", OMNI: "qwen2.5-omni", PRIVATE: "tts"}
 OMNI_PREFIXES = ("thinker.", "talker.", "token2wav.")
@@ -133,6 +131,7 @@ def view_files(view: Path) -> set[str]:
 # ---------------------------------------------------------------- only what each stage needs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repo", [T2I, TTS, OMNI])
 def test_a_stage_without_a_cache_downloads_only_its_own_files(bed: Bed, tmp_path: Path, repo: str) -> None:
     pipeline = bed.pipeline(repo)
@@ -152,6 +151,7 @@ def test_a_stage_without_a_cache_downloads_only_its_own_files(bed: Bed, tmp_path
     assert weights <= set().union(*(bed.expected(repo, s.name) for s in pipeline.stages))
 
 
+@pytest.mark.slow
 def test_fetch_once_then_replicas_and_restarts_fetch_nothing(bed: Bed, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     pipeline = bed.pipeline(T2I)
@@ -195,6 +195,7 @@ def test_fetch_once_then_replicas_and_restarts_fetch_nothing(bed: Bed, tmp_path:
     assert bed.mirror.access_log(since=mark) == []
 
 
+@pytest.mark.slow
 def test_fetch_serves_its_progress_while_it_runs(bed: Bed, tmp_path: Path) -> None:
     pipeline = bed.pipeline(TTS)
     path = tmp_path / "pipeline.json"
@@ -253,6 +254,7 @@ def test_fetch_serves_its_progress_while_it_runs(bed: Bed, tmp_path: Path) -> No
 # ---------------------------------------------------------------- failures, classified
 
 
+@pytest.mark.slow
 def test_a_private_repository_needs_the_right_token(bed: Bed, tmp_path: Path) -> None:
     pipeline = bed.pipeline(PRIVATE)
     rc, message, _ = fetch(bed, tmp_path, pipeline, tmp_path / "c1", HF_TOKEN="hf_wrong")
@@ -269,6 +271,7 @@ def test_a_private_repository_needs_the_right_token(bed: Bed, tmp_path: Path) ->
     assert message.startswith(f"Complete: {PRIVATE}@")
 
 
+@pytest.mark.slow
 def test_a_missing_revision_or_repository_is_not_found(bed: Bed, tmp_path: Path) -> None:
     rc, message, _ = fetch(bed, tmp_path, bed.pipeline(T2I, revision="v9"), tmp_path / "c")
     assert (rc, message) == (3, f"NotFound: revision 'v9' not found in {T2I} at {bed.mirror.url}")
@@ -278,6 +281,7 @@ def test_a_missing_revision_or_repository_is_not_found(bed: Bed, tmp_path: Path)
     assert message.startswith("NotFound: repository acme/nothing-here not found"), message
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_is_a_network_failure(bed: Bed, tmp_path: Path) -> None:
     rc, message, _ = fetch(
         bed, tmp_path, bed.pipeline(T2I), tmp_path / "c", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}"
@@ -286,6 +290,7 @@ def test_an_unreachable_endpoint_is_a_network_failure(bed: Bed, tmp_path: Path) 
     assert message.startswith("Network: cannot reach"), message
 
 
+@pytest.mark.slow
 def test_a_tagged_revision_is_pinned_to_its_sha(bed: Bed, tmp_path: Path) -> None:
     sha = bed.mirror.tag(T2I, "v1")
     rc, message, stderr = fetch(bed, tmp_path, bed.pipeline(T2I, revision="v1"), tmp_path / "c", "--stage", "decode")
@@ -297,6 +302,7 @@ def test_a_tagged_revision_is_pinned_to_its_sha(bed: Bed, tmp_path: Path) -> Non
 # ---------------------------------------------------------------- init containers
 
 
+@pytest.mark.slow
 def test_wait_weights_waits_for_the_fetch(bed: Bed, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     pipeline = bed.pipeline(TTS)
@@ -333,6 +339,7 @@ def test_wait_weights_waits_for_the_fetch(bed: Bed, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- engines on the fetched weights
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_fetch_then_serve_answers_an_image_request_offline(bed: Bed, tmp_path: Path, model_cache: Path) -> None:
     cache = tmp_path / "cache"
@@ -358,6 +365,7 @@ def test_fetch_then_serve_answers_an_image_request_offline(bed: Bed, tmp_path: P
         assert f"stage {stage} loads {T2I}@{bed.shas[T2I]} from the cache" in log
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_a_stage_process_without_a_cache_loads_what_it_downloaded(bed: Bed, tmp_path: Path, model_cache: Path) -> None:
     path = tmp_path / "pipeline.json"
