@@ -64,6 +64,11 @@ TINY_BUILDERS: Final[Mapping[str, TinyBuilder]] = {
     "text-to-video-ti2v-vllm-omni": TinyBuilder(
         module="omnimodel_runtime.tiny.wan22_vllm", function="build", extra="diffusers"
     ),
+    # Qwen3-TTS (CustomVoice) with the ids and layout vLLM-Omni hard-codes, for its qwen3_tts config on the
+    # vllm-omni runtime (transformers has no Qwen3-TTS: the checkpoint is written tensor by tensor).
+    "tts-qwen3-vllm-omni": TinyBuilder(
+        module="omnimodel_runtime.tiny.qwen3_tts_vllm", function="build", extra="transformers"
+    ),
     "text-to-image": TinyBuilder(module="omnimodel_runtime.tiny.text_to_image", function="build", extra="diffusers"),
     "qwen-image-edit": TinyBuilder(module="omnimodel_runtime.tiny.image_edit", function="build", extra="diffusers"),
     # v2: rope_max_seq_len 1024 (v1's 32 failed at the default and every OpenAI size).

@@ -32,6 +32,7 @@ TINY_MODELS: Final[Mapping[str, str]] = {
     "qwen2.5-omni-vllm-omni": "qwen2.5-omni",
     "qwen3-omni-vllm-omni": "qwen3-omni",
     "text-to-video-ti2v-vllm-omni": "text-to-video",
+    "tts-qwen3-vllm-omni": "tts",
 }
 
 
