@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from omnimodel_runtime.tiny import build_tiny
 from omnimodel_runtime.tiny.qwen3_tts_vllm import PRESET, SPEAKER
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(PRESET, tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
+@pytest.mark.slow
 def test_text_ids_sit_where_vllm_omni_reads_them(model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["model_type"], config["tts_model_type"]) == ("qwen3_tts", "custom_voice")
