@@ -5,8 +5,8 @@ shared-memory shortcut cannot pass. Requests go through the API Service with the
 Timings on 2 cores (tiny models, CPU): the image graph is up in about a minute and a half, the
 three-pod Qwen2.5-Omni graph in about two; a new replica pod registers with the head one to two minutes
 after it is created; a stalled replica is detached about 30 s after it stops, and a new head serves audio
-again about two minutes after it starts. Scaling the image stage 3 -> 1 is done in about 16 s; a deleted
-head's successor answered 141 s later on a loaded machine (its stage at one replica: nothing else restarts).
+again about two minutes after it starts. Scaling the image stage 3 -> 1 is done in 7-16 s; a deleted head's
+successor answered 75-141 s later on a loaded machine (its stage at one replica: nothing else restarts).
 """
 
 from __future__ import annotations
