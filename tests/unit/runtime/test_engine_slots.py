@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from omnimodel_runtime.engines.omni.code2wav import ChunkPlan
+from omnimodel_runtime.engines.omni.engine import WorkClock
 from omnimodel_runtime.engines.slots import SlotTable, bucket, buckets
 
 
@@ -90,6 +91,7 @@ def test_first_windows_wait_a_moment_for_a_stream_a_code_short_and_no_longer(mon
     engine._plan, engine._gather_from = plan, None
     engine._wake = threading.Event()
     engine._wake.set()  # a frame has arrived: a hold looks again at once
+    engine.clock = WorkClock()  # a hold is idle time, off the stage's busy clock
 
     def stream(codes: int, start: int = 0) -> SimpleNamespace:
         state = code2wav._Chunked.__new__(code2wav._Chunked)
