@@ -18,8 +18,9 @@ def activate() -> str | None:
     """vLLM-Omni's platform hook: our platform's qualified name when enabled, else None."""
     if os.environ.get(ENV_VAR) != "1":
         return None
-    from omnimodel_vllm_omni_cpu import diffusion_compat, mooncake_compat
+    from omnimodel_vllm_omni_cpu import diffusion_compat, mooncake_compat, runner_compat
 
     mooncake_compat.install()
     diffusion_compat.install()
+    runner_compat.install()
     return "omnimodel_vllm_omni_cpu.platform.CpuOmniPlatform"
