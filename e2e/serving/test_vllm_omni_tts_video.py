@@ -1,22 +1,28 @@
-"""vLLM-Omni's Wan2.2 video config rendered by the operator and run for real: a tiny random-weight Wan2.2
-TI2V-5B in one pod (the head: API server, orchestrator and the diffusion stage's only replica), a process
-of the cached vLLM-Omni CPU environment on its own pod IP, answering a ``/v1/videos`` job from the
-official ``openai`` client with an MP4 that decodes to the asked size and frame count.
+"""vLLM-Omni's Qwen3-TTS and Wan2.2 video configs rendered by the operator and run for real, every pod a
+process of the cached vLLM-Omni CPU environment on its own pod IP with its own /dev/shm:
 
-Cost on the 2-core test bed (shared with other jobs): see each test's docstring. Qwen3-TTS (``qwen3_tts``)
-is not here yet; docs/vllm-omni.md (section Qwen3-TTS) says what it takes.
+- ``qwen3_tts``: a tiny random-weight Qwen3-TTS CustomVoice, the talker in the head pod on an nvidia node and
+  code2wav on an amd node, the codec chunks crossing pods over the operator's network connector (Mooncake);
+  speech from the official ``openai`` client (``audio.speech.create``) is a WAV that decodes.
+- ``wan2_2_ti2v``: a tiny random-weight Wan2.2 TI2V-5B in one pod (the head: API server, orchestrator and
+  the diffusion stage's only replica), answering a ``/v1/videos`` job with an MP4 that decodes to the asked
+  size and frame count.
+
+Cost on the 2-core test bed (shared with other jobs): see each test's docstring.
 """
 
 from __future__ import annotations
 
 import io
 import time
+import wave
 from pathlib import Path
 
 import av
 import numpy as np
 import openai
 import pytest
+import yaml
 from openai.types import Video
 
 from omnimodel_runtime.tiny import ensure_tiny
@@ -26,6 +32,57 @@ from support import Kube, example, healthy, wait_for
 pytestmark = pytest.mark.vllm_omni
 
 MODELS = Path.home() / ".cache" / "omnimodel" / "models"
+
+
+def wav_samples(data: bytes) -> tuple[int, int, np.ndarray]:
+    """(channels, frame rate, 16-bit samples) of a WAV file."""
+    with wave.open(io.BytesIO(data)) as wav:
+        assert wav.getsampwidth() == 2
+        return wav.getnchannels(), wav.getframerate(), np.frombuffer(wav.readframes(wav.getnframes()), np.int16)
+
+
+# Its /health wait allows 600 s for two engines to start and register on a loaded machine: pytest-timeout's
+# 300 s default must not cut it short.
+@pytest.mark.timeout(900)
+def test_qwen3_tts_in_two_pods_speaks_a_wav_that_decodes(kube: Kube, pods: PodRunner) -> None:
+    """Cost on the 2-core test bed (load ~10): the head served 162 s after apply; the speech (16 code frames,
+    1.2 s of audio) took 56 s, most of it the codec chunks' waits across pods; the test 219 s."""
+    started = time.monotonic()
+    model_dir = ensure_tiny("tts-qwen3-vllm-omni", MODELS)
+    manifest = example("vllm-omni-qwen3-tts-tiny.yaml")
+    assert manifest["spec"]["model"]["source"] == f"file:///models/tiny/{model_dir.name}"
+    kube.apply(manifest)
+    base = f"http://q3tts-gateway.{kube.ns}.svc:8000"
+    wait_for(lambda: healthy(base), 600, interval=2, what="the head's /health (talker and code2wav registered)")
+    kube.wait_ready("q3tts", 120)
+    nodes = {
+        p["metadata"]["labels"]["omnimodel.io/stage"]: p["spec"]["nodeName"]
+        for p in kube.pods("app.kubernetes.io/instance=q3tts")
+        if "omnimodel.io/stage" in p["metadata"]["labels"]
+    }
+    assert nodes["qwen3-tts"].startswith("h200-") and nodes["code2wav"] == "mi300x-0", nodes
+    assert len(pods.processes("q3tts-qwen3-tts-")) == len(pods.processes("q3tts-code2wav-")) == 1
+    # The codec stream crosses pods through the network connector, with the config's chunking kept.
+    deploy = yaml.safe_load(kube.get("configmap", "q3tts-pipeline")["data"]["deploy.yaml"])
+    assert deploy["async_chunk"] is True
+    (connector,) = deploy["connectors"].values()
+    assert connector["name"] == "MooncakeStoreConnector" and connector["extra"]["codec_streaming"] is True
+    up = time.monotonic() - started
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    asked = time.monotonic()
+    speech = client.audio.speech.create(
+        model="qwen3-tts",
+        # The model's own speaker, not one of OpenAI's voices.
+        voice="vivian",
+        input="hello there",
+        response_format="wav",
+    )
+    took = time.monotonic() - asked
+    channels, rate, samples = wav_samples(speech.content)
+    assert (channels, rate) == (1, 24000) and len(samples) > 0
+    assert np.abs(samples).max() > 0, "all zeros: silence came out of code2wav"
+    print(f"qwen3-tts: serving {up:.0f}s after apply; speech {took:.1f}s, {len(samples)} samples")
 
 
 def decoded_frames(mp4: bytes) -> tuple[list[np.ndarray], float]:
