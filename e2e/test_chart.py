@@ -24,7 +24,9 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +356,39 @@ def test_helm_test_proves_the_operator_reconciles(release: Release) -> None:
     assert release.get("role", f"{FULLNAME}-test", "-n", release.watched) is None
 
 
+@contextmanager
+def operator_pod_watch(release: Release) -> Iterator[list[dict[str, Any]]]:
+    """A watch of the release's operator pods (``kubectl get --watch``) for as long as the block runs;
+    the list it yields holds the watch's events, in the API server's order, once the block has left."""
+    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
+    watch = subprocess.Popen(
+        [
+            kubectl_binary(), f"--kubeconfig={release.cluster.kubeconfig}", "get", "pods", "-n", release.namespace,
+            "-l", selector, "--watch", "--output-watch-events", "-o", "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    try:
+        yield events
+    finally:
+        watch.terminate()
+        text, _ = watch.communicate(timeout=30)
+    decoder, at = json.JSONDecoder(), 0
+    while text[at:].strip():
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            event, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            # The watch was stopped mid-write: only its last event can be cut short, and the block waited
+            # for every event it looks at before it left.
+            assert "\n{" not in text[at:], text[at : at + 2000]
+            break
+        events.append(event)
+
+
 def serving_throughout(events: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
     """Replay a pod watch: after each event, how many operator pods were Ready and not being deleted.
     Returns (event type, pod, count) per event; the API server orders the events of one watch."""
@@ -377,17 +412,7 @@ def test_upgrade_keeps_an_operator_serving_throughout(release: Release) -> None:
     one is marked for deletion (a Recreate rollout deletes the old pod first, and fails this). Then
     the new pod reconciles."""
     (old,) = release.serving_operators()
-    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
-    watch = subprocess.Popen(
-        [
-            kubectl_binary(), f"--kubeconfig={release.cluster.kubeconfig}", "get", "pods", "-n", release.namespace,
-            "-l", selector, "--watch", "--output-watch-events", "-o", "json",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )  # fmt: skip
-    try:
+    with operator_pod_watch(release) as events:
         release.helm(
             "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s",
             f"--set=watchNamespaces={{{release.watched}}}", *image_values(release.cluster),
@@ -397,20 +422,6 @@ def test_upgrade_keeps_an_operator_serving_throughout(release: Release) -> None:
         (new,) = release.serving_operators()
         # The old pod's deletion has reached the API server; let the watch deliver it, then stop it.
         wait_for(lambda: release.operator_process(old) is None, 60, what="the old operator pod stopped")
-    finally:
-        watch.terminate()
-        text, _ = watch.communicate(timeout=30)
-    decoder, events, at = json.JSONDecoder(), [], 0
-    while text[at:].strip():
-        at += len(text[at:]) - len(text[at:].lstrip())
-        try:
-            event, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            # The watch was stopped mid-write: only its last event can be cut short, and every event
-            # up to the new pod serving alone came before it.
-            assert "\n{" not in text[at:], text[at : at + 2000]
-            break
-        events.append(event)
     replay = serving_throughout(events)
     assert {name for _, name, _ in replay} >= {old, new}, replay
     assert all(count >= 1 for _, _, count in replay), replay
@@ -429,12 +440,46 @@ def test_upgrade_keeps_an_operator_serving_throughout(release: Release) -> None:
         release.cluster.kubectl("delete", "-n", release.watched, "-f", str(EXAMPLE), "--wait=false", check=False)
 
 
+#: The longest a Recreate rollout of the operator may leave the cluster without an operator pod: the old
+#: pod's stop (kopf's exit, with omnimodel_operator.cli.EXIT_ERROR_BACKOFFS), then the deployment
+#: controller's new pod. Well under the chart's 30 s grace period, which an operator retrying a refused
+#: call on its way out would use up.
+RECREATE_GAP_MAX = 15.0
+
+
+def no_operator_after_stop(events: list[dict[str, Any]], old: str, new: dict[str, Any]) -> float:
+    """Seconds from the request to stop operator pod ``old`` (its deletionTimestamp less its grace period,
+    as a pod watch saw it) to the creation of the ``new`` pod, both by the API server's clock."""
+    stopping = next(
+        e["object"]["metadata"]
+        for e in events
+        if e["object"]["metadata"]["name"] == old and e["object"]["metadata"].get("deletionTimestamp")
+    )
+    requested = timestamp(stopping["deletionTimestamp"]) - float(stopping["deletionGracePeriodSeconds"])
+    return timestamp(new["metadata"]["creationTimestamp"]) - requested
+
+
+def timestamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def test_upgrade_rolls_the_operator_and_can_switch_to_cluster_wide(release: Release) -> None:
+    """`helm upgrade` from watchNamespaces to cluster-wide: a Recreate rollout, so the old pod must stop
+    promptly although the same upgrade took away its Role (and with it the right to leave its peering
+    object); then the new pod runs on the ClusterRole alone."""
+    (old,) = release.serving_operators()
     before = release.get("deployment", FULLNAME, "-n", release.namespace)
-    release.helm(
-        "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s", *image_values(release.cluster),
-        "--set=operator.resyncInterval=300", "--set=podAnnotations.rollout=second",
-    )  # fmt: skip
+    with operator_pod_watch(release) as events:
+        release.helm(
+            "upgrade", RELEASE, str(CHART), "--wait", "--timeout=120s", *image_values(release.cluster),
+            "--set=operator.resyncInterval=300", "--set=podAnnotations.rollout=second",
+        )  # fmt: skip
+        # helm --wait returned with the new pod Ready: the old one is gone (Recreate) and the watch
+        # delivered its stop request seconds ago.
+        (pod,) = release.operator_pods()
+    assert pod["metadata"]["name"] != old
+    gap = no_operator_after_stop(events, old, pod)
+    assert gap <= RECREATE_GAP_MAX, f"no operator pod for {gap:.0f} s after the old one was asked to stop"
     after = release.get("deployment", FULLNAME, "-n", release.namespace)
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
     # The running pod announces itself in the watched namespace's KopfPeering, the new one would in a

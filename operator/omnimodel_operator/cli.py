@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import yaml
 
@@ -15,6 +18,16 @@ from omnimodel_operator import constants as C
 from omnimodel_operator.crdgen import render_crd_yaml
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
+
+if TYPE_CHECKING:
+    import kopf
+
+#: kopf's retries of a failed API call once the operator is stopping (its default, 1 to 21 s apart, adds up
+#: to 54 s). On the way out kopf makes one call of its own: it removes this pod from the peering object.
+#: When that is refused (a 403: `helm upgrade` to cluster-wide or `helm uninstall` deletes the Role in the
+#: same breath as the pod) kopf would retry until the kubelet's SIGKILL at the end of the pod's grace
+#: period, 30 s with no operator; a few seconds still ride out a blip of the API server.
+EXIT_ERROR_BACKOFFS: Final = (1.0, 2.0)
 
 
 def _documents(path: str) -> list[dict[str, Any]]:
@@ -70,15 +83,47 @@ def _run(args: argparse.Namespace) -> int:
     # process in the named KopfPeering (per watched namespace) or ClusterKopfPeering object, and pauses
     # its watches while another live process of the same name is announced there, so that the two
     # pods of a rolling upgrade never reconcile at once (see charts/omnimodel-operator/README.md).
-    kopf.run(
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=args.liveness,
-        memo=kopf.Memo(metrics_host=args.metrics_host),
+    asyncio.run(
+        _operate(
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=args.liveness,
+            memo=kopf.Memo(metrics_host=args.metrics_host),
+        )
     )
     return 0
+
+
+async def _operate(**kwargs: Any) -> None:
+    """``kopf.operator(**kwargs)`` (its two halves, as kopf documents for embedding), with our own
+    SIGTERM/SIGINT handlers in place of kopf's: they stop the operator as kopf's would, through kopf's
+    stop flag, and first bound kopf's retries of failed API calls for the way out (EXIT_ERROR_BACKOFFS)."""
+    import kopf  # noqa: PLC0415
+
+    settings = kopf.OperatorSettings()
+    stopping = asyncio.Event()
+    existing = asyncio.all_tasks()
+    tasks = await kopf.spawn_tasks(settings=settings, stop_flag=stopping, **kwargs)
+    # spawn_tasks has just installed kopf's handlers; these replace them. Only the main thread gets
+    # signals (kopf, run elsewhere, installs none either).
+    if threading.current_thread() is threading.main_thread():
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, begin_exit, signum, settings, stopping)
+    await kopf.run_tasks(tasks, ignored=existing)
+
+
+def begin_exit(signum: signal.Signals, settings: kopf.OperatorSettings, stopping: asyncio.Event) -> None:
+    """Stop the operator on ``signum``, no longer retrying a failed API call for as long as running kopf
+    would (kopf reads the back-offs as each call starts)."""
+    if not stopping.is_set():
+        logging.getLogger("omnimodel_operator").info(
+            f"Received {signum.name}: stopping; a failed API call is retried for {sum(EXIT_ERROR_BACKOFFS):g} s at most"
+        )
+    settings.networking.error_backoffs = EXIT_ERROR_BACKOFFS
+    stopping.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
