@@ -46,7 +46,8 @@ def wav_samples(data: bytes) -> tuple[int, int, np.ndarray]:
 @pytest.mark.timeout(900)
 def test_qwen3_tts_in_two_pods_speaks_a_wav_that_decodes(kube: Kube, pods: PodRunner) -> None:
     """Cost on the 2-core test bed (load ~10): the head served 162 s after apply; the speech (16 code frames,
-    1.2 s of audio) took 56 s, most of it the codec chunks' waits across pods; the test 219 s."""
+    1.2 s of audio) took 56 s (5 s by hand in one process over shared memory; where the rest goes across
+    pods was not measured); the test 219 s."""
     started = time.monotonic()
     model_dir = ensure_tiny("tts-qwen3-vllm-omni", MODELS)
     manifest = example("vllm-omni-qwen3-tts-tiny.yaml")
