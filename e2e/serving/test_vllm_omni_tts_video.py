@@ -44,7 +44,9 @@ def wav_samples(data: bytes) -> tuple[int, int, np.ndarray]:
 # Its /health wait allows 600 s for two engines to start and register on a loaded machine: pytest-timeout's
 # 300 s default must not cut it short.
 @pytest.mark.timeout(900)
-def test_qwen3_tts_in_two_pods_speaks_a_wav_that_decodes(kube: Kube, pods: PodRunner) -> None:
+def test_qwen3_tts_in_two_pods_speaks_a_wav_that_decodes(
+    kube: Kube, pods: PodRunner, request: pytest.FixtureRequest
+) -> None:
     """Cost on the 2-core test bed (load ~10): the head served 162 s after apply; the speech (16 code frames,
     1.2 s of audio) took 56 s (5 s by hand in one process over shared memory; where the rest goes across
     pods was not measured); the test 219 s."""
@@ -71,6 +73,8 @@ def test_qwen3_tts_in_two_pods_speaks_a_wav_that_decodes(kube: Kube, pods: PodRu
     up = time.monotonic() - started
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    # Its pooled connection closed with the test, not left to the garbage collector at session end.
+    request.addfinalizer(client.close)
     asked = time.monotonic()
     speech = client.audio.speech.create(
         model="qwen3-tts",
@@ -100,7 +104,9 @@ def decoded_frames(mp4: bytes) -> tuple[list[np.ndarray], float]:
 # openai 2.x warns that OpenAI's own (Sora) video service shuts down; its videos resource is still the API
 # vLLM-Omni's /v1/videos implements.
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
-def test_wan22_ti2v_in_one_pod_makes_a_video_job_that_decodes(kube: Kube, pods: PodRunner) -> None:
+def test_wan22_ti2v_in_one_pod_makes_a_video_job_that_decodes(
+    kube: Kube, pods: PodRunner, request: pytest.FixtureRequest
+) -> None:
     """Cost on the 2-core test bed: the head served 98 s after apply with the machine's load near 10, 269 s
     with more jobs beside it; the job (5 frames of 64 × 64, two steps) took 1.4 s; the test 99 s and 271 s."""
     started = time.monotonic()
@@ -120,6 +126,8 @@ def test_wan22_ti2v_in_one_pod_makes_a_video_job_that_decodes(kube: Kube, pods: 
     up = time.monotonic() - started
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    # Its pooled connection closed with the test, not left to the garbage collector at session end.
+    request.addfinalizer(client.close)
     asked = time.monotonic()
     job = client.videos.create(
         model="wan2.2-ti2v",
