@@ -315,7 +315,9 @@ def _head_probes(plan: VllmPlan) -> dict[str, Any]:
     probes: dict[str, Any] = {
         # /health turns 200 once every stage has a live replica (vLLM-Omni checks it), so readiness
         # means "the whole graph serves", not only "the API server is up".
-        "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": STARTUP_SECONDS // 5},
+        # Every second, as our own runtime's stages (common.http_probes): an HTTP GET is cheap, and the
+        # startup period is what delays Ready. The replicas' exec probes start a python each time: 5 s.
+        "startupProbe": {**health, "periodSeconds": 1, "failureThreshold": STARTUP_SECONDS},
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
     }
     if plan.head.stage.final_output and plan.head.stage.final_output_type == "text":
