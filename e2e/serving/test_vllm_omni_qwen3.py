@@ -54,6 +54,13 @@ def test_qwen3_omni_in_three_stages_on_three_vendors_answers_text_audio_and_stre
     manifest = example(EXAMPLE)
     assert manifest["spec"]["model"]["source"] == f"file:///models/tiny/{model_dir.name}"
     kube.apply(manifest)
+    base = f"http://q3-gateway.{kube.ns}.svc:8000"
+    # 289 s alone; far more while make test's other lane runs beside it on the same 2 cores.
+    wait_for(lambda: healthy(base), 1000, interval=2, what="the head's /health (every stage registered)")
+    (head,) = pods.processes("q3-thinker-")
+    # The second talker replica attaches after the head is whole (the head waits for one per stage).
+    wait_for(lambda: "replica attached stage=1 replica=1" in log_text(head), 180, what="the second talker attached")
+    # Ready only now: the kubelet's probes (the head's /health, each replica's registration) gate it.
     kube.wait_ready("q3", timeout=180)
     stage_pods = [
         p for p in kube.pods("app.kubernetes.io/instance=q3") if "omnimodel.io/stage" in p["metadata"]["labels"]
@@ -72,12 +79,6 @@ def test_qwen3_omni_in_three_stages_on_three_vendors_answers_text_audio_and_stre
         "MooncakeStoreConnector"
     }
 
-    base = f"http://q3-gateway.{kube.ns}.svc:8000"
-    # 289 s alone; far more while make test's other lane runs beside it on the same 2 cores.
-    wait_for(lambda: healthy(base), 1000, interval=2, what="the head's /health (every stage registered)")
-    (head,) = pods.processes("q3-thinker-")
-    # The second talker replica attaches after the head is whole (the head waits for one per stage).
-    wait_for(lambda: "replica attached stage=1 replica=1" in log_text(head), 180, what="the second talker attached")
     up = time.monotonic() - started
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=180)
