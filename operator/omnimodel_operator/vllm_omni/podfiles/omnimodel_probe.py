@@ -6,7 +6,8 @@ the head (``GET /omnimodel/replicas``, added by this ConfigMap's ``sitecustomize
 - ``ready``: registered with the head, heartbeat current (UP), not draining: requests may come to it.
 - ``live``: registered with the head. Fails when the head detached it (0.30 never takes a detached
   replica back) or when the head is another process that never saw it (a replica of a dead head never
-  registers again by itself): a restarted container registers anew and is attached.
+  registers again by itself): a restarted container registers anew and is attached. Passes while the
+  head does not answer at all: that is the head's failure, not this process's.
 - ``drain`` (preStop): asks the head to send it no new request, then waits until the requests bound to
   it are done (at most ``OMNIMODEL_DRAIN_SECONDS``), so the SIGTERM that follows detaches an idle replica.
 
@@ -53,7 +54,10 @@ def main(mode: str) -> int:
         row = _mine(_call("/omnimodel/replicas"))
     except OSError as err:
         print(f"the head did not answer: {err}", file=sys.stderr)
-        return 1
+        # Liveness judges this process, and a head that does not answer says nothing about it: restarting
+        # it would only fail what it holds. A head that came back as another process does answer, without
+        # this pod: that fails below (and the operator restarts such replicas anyway, restarts.py).
+        return 0 if mode == "live" else 1
     if row is None:
         print(f"not registered with the head (pod IP {os.environ['POD_IP']})", file=sys.stderr)
         return 1
