@@ -208,7 +208,7 @@ def _outside_locked(args: argparse.Namespace, paths: Paths, reporter: Reporter, 
     if env.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
     resolv_conf = paths.demo / "resolv.conf"
-    resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:1 attempts:1\n")
+    resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:2 attempts:3\n")
     inner_cmd = [
         sys.executable, "-m", "omnimodel_testbed", "--state-dir", str(paths.state_dir), "demo", "--inside",
         "--t0", repr(t0), "--out", str(paths.out), *(["--keep"] if args.keep else []),

@@ -152,8 +152,9 @@ def run_in_netns(
     env.pop("OMNIMODEL_KUBECONFIG", None)  # a host cluster is unreachable from inside
     try:
         resolv_conf = state_dir / "resolv.conf"
-        # One quick try: names outside the cluster have nowhere to go in here anyway.
-        resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:1 attempts:1\n")
+        # Names outside the cluster get NXDOMAIN at once (dns.py), so retries cost them nothing; a cluster
+        # name's answer waits on an API read in a busy process: one 1 s try failed pods' probes under load.
+        resolv_conf.write_text(f"nameserver {CLUSTER_DNS[0]}\noptions timeout:2 attempts:3\n")
         # Ctrl-C reaches the command from the terminal; a SIGTERM for us becomes its Ctrl-C (pytest then
         # runs its fixtures' teardown, which stops the pod processes it started).
         rc = run_passing_signals(
