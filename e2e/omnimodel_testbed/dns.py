@@ -110,8 +110,11 @@ class ClusterDNS:
         try:
             result = self._lookup(*key)
         except OSError as err:
-            log.warning("DNS lookup of %s failed: %s", name, err)
-            result = None
+            # Serve the last answer rather than none (CoreDNS's serve_stale): the lookup is an API read
+            # from a busy process, and under CI's load its TLS handshake timed out; a failed answer then
+            # broke every client of a Service whose endpoints had not changed (Mooncake's master, the head).
+            log.warning("DNS lookup of %s failed (%s); %s", name, err, "the last answer" if cached else "no answer")
+            return cached[1] if cached else None
         self._cache[key] = (now, result)
         return result
 
