@@ -67,12 +67,10 @@ def png(client: openai.OpenAI, model: str, prompt: str) -> bytes:
     return base64.b64decode(image.data[0].b64_json or "") if image.data else b""
 
 
-# Its own waits allow 420 s for the three engines to register, twice (118 s measured alone; more under
-# load): pytest-timeout's default 300 s must not cut them short.
-@pytest.mark.timeout(1200)
-def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio_and_outlives_a_stalled_talker(
-    kube: Kube, pods: PodRunner
-) -> None:
+# Its own waits allow 420 s for the three engines to register (118 s measured alone; more under load):
+# pytest-timeout's default 300 s must not cut them short.
+@pytest.mark.timeout(900)
+def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio(kube: Kube, pods: PodRunner) -> None:
     model_dir = ensure_tiny("qwen2.5-omni-vllm-omni", MODELS)
     small = {"max_num_batched_tokens": 4096, "max_model_len": 4096, "max_num_seqs": 1, "enforce_eager": True}
     kube.apply(
@@ -113,49 +111,10 @@ def test_qwen_omni_in_three_pods_on_three_vendors_answers_text_and_audio_and_out
     assert text.choices[0].message.content
     channels, rate, frames = spoken_wav(client, "qwen-omni")
     assert (channels, rate) == (1, 24000) and frames > 0
-
-    # A talker that stalls past its 30 s heartbeat timeout (a hung device, a throttled node) is detached
-    # by the head and never taken back, even once it resumes: audio requests fail ("Stage-1 has no live
-    # replica") and /health turns 503 while text still answers. The talker's liveness probe (registered
-    # with the head?) then fails, the kubelet restarts its container, and the new process registers and
-    # is attached: audio again, with nobody's hand on it. (Should the head's own liveness, /health and a
-    # one-token chat every 30 s, run out first, the new head process's replicas are restarted by the
-    # operator, restarts.py: audio again too, later.)
-    (head,) = pods.processes("omni-thinker-")
-    (talker,) = pods.processes("omni-talker-")
-    os.killpg(talker.proc.pid, signal.SIGSTOP)
-    stalled = time.monotonic()
-    try:
-        wait_for(lambda: "detached replica stage=1" in log_text(head), 120, what="the head detached the stalled talker")
-    finally:
-        os.killpg(talker.proc.pid, signal.SIGCONT)
-    detached = time.monotonic() - stalled
-    wait_for(lambda: not healthy(base), 30, what="/health 503 without a live talker")
-
-    def restarts(stage: str) -> int:
-        return sum(
-            int(s.get("restartCount", 0))
-            for p in kube.pods(f"app.kubernetes.io/instance=omni,omnimodel.io/stage={stage}")
-            for s in p["status"].get("containerStatuses") or []
-        )
-
-    wait_for(
-        lambda: restarts("talker") >= 1 or talker.uid not in {p.uid for p in pods.processes("omni-talker-")},
-        120,
-        what="the stalled talker restarted (its liveness probe) or replaced (a new head's replicas)",
-    )
-    relived = time.monotonic() - stalled
-    how = "restarted by the kubelet (liveness)" if restarts("talker") >= 1 else "replaced (a new head's replicas)"
-    wait_for(lambda: healthy(base), 420, interval=2, what="every stage registered again")
-    channels, rate, frames = spoken_wav(client, "qwen-omni")
-    assert (channels, rate) == (1, 24000) and frames > 0
-    served = time.monotonic() - stalled
-    kube.wait_ready("omni", 120)
-    head_restarts = restarts("thinker") + sum(p.uid != head.uid for p in pods.processes("omni-thinker-"))
-    print(
-        f"talker stalled: detached after {detached:.0f}s, {how} after {relived:.0f}s, "
-        f"audio again after {served:.0f}s; the head restarted {head_restarts} time(s)"
-    )
+    # A stalled replica's detach, Degraded and recovery are the image stage's test below (cheaper on 2
+    # cores). A stalled talker healed too, with nobody's hand on it, when this test stalled one (3b532d3;
+    # docs/vllm-omni.md, "Replica death"): detached 29 s after the stop, its container restarted by its
+    # liveness probe at 89 s, audio again at 294 s: too slow for CI's budget.
 
 
 class Traffic:
