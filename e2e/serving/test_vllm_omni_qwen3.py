@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import time
 import wave
 from pathlib import Path
@@ -34,6 +35,11 @@ EXAMPLE = "vllm-omni-qwen3-omni-tiny.yaml"
 
 def log_text(pod: PodProcess) -> str:
     return pod.log_path.read_text(errors="replace")
+
+
+def talkers_attached(head: PodProcess) -> set[str]:
+    """The talker (stage 1) replica ids the head has attached, from its log."""
+    return set(re.findall(r"replica attached stage=1 replica=(\d+)", log_text(head)))
 
 
 def wav_frames(data: bytes) -> tuple[int, int, int]:
@@ -58,8 +64,9 @@ def test_qwen3_omni_in_three_stages_on_three_vendors_answers_text_audio_and_stre
     # 289 s alone; far more while make test's other lane runs beside it on the same 2 cores.
     wait_for(lambda: healthy(base), 1000, interval=2, what="the head's /health (every stage registered)")
     (head,) = pods.processes("q3-thinker-")
-    # The second talker replica attaches after the head is whole (the head waits for one per stage).
-    wait_for(lambda: "replica attached stage=1 replica=1" in log_text(head), 180, what="the second talker attached")
+    # The second talker replica attaches after the head is whole (the head waits for one per stage). Its id
+    # is the head's count of registrations: a replica restarted before it attached comes back as replica 2.
+    wait_for(lambda: len(talkers_attached(head)) >= 2, 300, what="the second talker attached")
     # Ready only now: the kubelet's probes (the head's /health, each replica's registration) gate it.
     kube.wait_ready("q3", timeout=180)
     stage_pods = [

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any, Final
 
@@ -247,7 +248,13 @@ def _pod(
 
 
 def _engine_container(
-    plan: VllmPlan, sp: VllmStagePlan, args: list[str], settings: OperatorSettings, *, head: bool
+    plan: VllmPlan,
+    sp: VllmStagePlan,
+    args: list[str],
+    settings: OperatorSettings,
+    *,
+    head: bool,
+    weights_bytes: int | None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """The engine container, the pod's volumes and its init containers (the wait for fetched weights)."""
     deploy_vol, deploy_mount = _deploy_volume(plan)
@@ -274,7 +281,7 @@ def _engine_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "resources": stage_resources(own, sp.accelerator, settings),
+        "resources": stage_resources(own, sp.accelerator, settings, weights_bytes),
         "volumeMounts": [deploy_mount, cache_mount, *source_mounts, *scratch_mounts],
         "securityContext": container_security_context(),
     }
@@ -334,16 +341,17 @@ def _head_probes(plan: VllmPlan) -> dict[str, Any]:
 
 def _replica_probes() -> dict[str, Any]:
     """A replica serves only through the head, so each probe asks the head about this pod
-    (podfiles/omnimodel_probe.py): ready = registered, heartbeat current, not draining; live =
-    registered (0.30 never takes back a replica it detached, nor does a new head process take the old
-    replicas: a restarted container registers anew). preStop drains it before SIGTERM detaches it."""
+    (podfiles/omnimodel_probe.py): started = attached by a head that answers; ready = registered,
+    heartbeat current, not draining; live = registered, or the head does not answer (0.30 never takes
+    back a replica it detached, nor does a new head process take the old replicas: a restarted container
+    registers anew). preStop drains it before SIGTERM detaches it."""
 
     def probe(mode: str) -> dict[str, Any]:
         return {"exec": {"command": ["python3", f"{DEPLOY_DIR}/{PROBE_FILE}", mode]}, "timeoutSeconds": 10}
 
     return {
         # Loading weights, then registering: the head's own start-up can take as long.
-        "startupProbe": {**probe("live"), "periodSeconds": 5, "failureThreshold": STARTUP_SECONDS // 5},
+        "startupProbe": {**probe("started"), "periodSeconds": 5, "failureThreshold": STARTUP_SECONDS // 5},
         "readinessProbe": {**probe("ready"), "periodSeconds": 5, "failureThreshold": 1},
         # Three misses: a head restarting (its API is down until every stage has a replica) restarts the
         # replicas, which is what 0.30 needs for them to register with the new head process.
@@ -387,7 +395,9 @@ def _annotations(plan: VllmPlan, restart: dict[str, str]) -> dict[str, str]:
     return {C.ANNOTATION_PIPELINE_HASH: content_hash(plan.deploy), **restart}
 
 
-def head_deployment(plan: VllmPlan, settings: OperatorSettings, marks: RestartMarks) -> Manifest:
+def head_deployment(
+    plan: VllmPlan, settings: OperatorSettings, marks: RestartMarks, weights_bytes: int | None = None
+) -> Manifest:
     sp = plan.head
     args = [
         *_common_args(plan, sp),
@@ -397,7 +407,7 @@ def head_deployment(plan: VllmPlan, settings: OperatorSettings, marks: RestartMa
         "--port", str(API_PORT),
         "--served-model-name", plan.served_name,
     ]  # fmt: skip
-    container, volumes, init = _engine_container(plan, sp, args, settings, head=True)
+    container, volumes, init = _engine_container(plan, sp, args, settings, head=True, weights_bytes=weights_bytes)
     pod = _pod(plan, sp, container, settings, volumes, init)
     return _deployment(
         plan, naming.stage_name(plan.name, sp.name), head_labels(plan), head_selector(plan), pod, 1,
@@ -406,7 +416,11 @@ def head_deployment(plan: VllmPlan, settings: OperatorSettings, marks: RestartMa
 
 
 def replica_deployment(
-    plan: VllmPlan, sp: VllmStagePlan, settings: OperatorSettings, marks: RestartMarks
+    plan: VllmPlan,
+    sp: VllmStagePlan,
+    settings: OperatorSettings,
+    marks: RestartMarks,
+    weights_bytes: int | None = None,
 ) -> Manifest | None:
     """Headless replicas of one stage; None for the entry stage when the head is its only replica."""
     is_head_stage = sp.stage.id == plan.head.stage.id
@@ -422,7 +436,7 @@ def replica_deployment(
         "--omni-master-port", str(MASTER_PORT),
         "--omni-replica-address", "$(POD_IP)",
     ]  # fmt: skip
-    container, volumes, init = _engine_container(plan, sp, args, settings, head=False)
+    container, volumes, init = _engine_container(plan, sp, args, settings, head=False, weights_bytes=weights_bytes)
     pod = _pod(plan, sp, container, settings, volumes, init)
     labels = naming.stage_labels(plan.name, sp.name)
     return _deployment(
@@ -533,17 +547,22 @@ def network_policies(plan: VllmPlan, settings: OperatorSettings) -> list[Manifes
     return [internal, api]
 
 
-def render_vllm_omni(plan: VllmPlan, settings: OperatorSettings, marks: RestartMarks) -> list[Manifest]:
-    """Every child, in apply order (the deploy file before the pods that mount it)."""
+def render_vllm_omni(
+    plan: VllmPlan, settings: OperatorSettings, marks: RestartMarks, stage_bytes: Mapping[str, int] | None = None
+) -> list[Manifest]:
+    """Every child, in apply order (the deploy file before the pods that mount it). ``stage_bytes``: the
+    fetch's sizes once known; every stage opens the whole model directory, so each CPU stage is sized by
+    the whole fetch (its one file set, ``FETCH_STAGE``)."""
+    weights_bytes = (stage_bytes or {}).get(FETCH_STAGE)
     out: list[Manifest] = [deploy_configmap(plan), service_account(plan)]
     # The weights, fetched once into the cache claim by the runtime image (vLLM-Omni's has no fetcher).
     fetch = (weights_claim(plan), fetch_job(plan, settings, settings.cpu_runtime_image))
     out.extend(m for m in fetch if m is not None)
     if plan.network_edges:
         out.extend(mooncake(plan, settings))
-    out.extend([master_service(plan), api_service(plan), head_deployment(plan, settings, marks)])
+    out.extend([master_service(plan), api_service(plan), head_deployment(plan, settings, marks, weights_bytes)])
     for sp in plan.stages:
-        replica = replica_deployment(plan, sp, settings, marks)
+        replica = replica_deployment(plan, sp, settings, marks, weights_bytes)
         if replica is not None:
             out.append(replica)
     if settings.network_policy:

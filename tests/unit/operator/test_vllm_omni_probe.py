@@ -57,7 +57,11 @@ def test_a_registered_replica_is_live_and_ready_until_the_head_forgets_it(
     head: tuple[str, list[dict[str, object]]],
 ) -> None:
     url, rows = head
+    # Registered but not attached yet (loading, or waiting for the handshake): still starting.
+    started = probe("started", url)
+    assert started.returncode == 1 and "not registered" in started.stderr
     rows.append({"host": POD_IP, "up": True, "draining": False, "inFlight": 0})
+    assert probe("started", url).returncode == 0
     assert probe("live", url).returncode == 0
     assert probe("ready", url).returncode == 0
     rows[0]["draining"] = True
@@ -68,11 +72,14 @@ def test_a_registered_replica_is_live_and_ready_until_the_head_forgets_it(
     assert live.returncode == 1 and "not registered" in live.stderr
 
 
-def test_a_head_that_does_not_answer_fails_readiness_but_not_liveness() -> None:
+def test_a_head_that_does_not_answer_fails_startup_and_readiness_but_not_liveness() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     ready = probe("ready", url)
     assert ready.returncode == 1 and "the head did not answer" in ready.stderr
+    # A replica has started once a head attached it: passing here would hand a replica that no head has
+    # yet to liveness, which kills it when the head comes up without it.
+    assert probe("started", url).returncode == 1
     # Restarting the replica would only fail what it holds: the head is what is down.
     assert probe("live", url).returncode == 0

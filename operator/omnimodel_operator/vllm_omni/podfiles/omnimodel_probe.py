@@ -4,6 +4,10 @@ A headless replica serves nothing of its own that tells whether the head routes 
 the head (``GET /omnimodel/replicas``, added by this ConfigMap's ``sitecustomize.py``) for this pod's IP:
 
 - ``ready``: registered with the head, heartbeat current (UP), not draining: requests may come to it.
+- ``started`` (startup probe): attached by the head, which answers. Until then the replica is loading
+  its weights or waiting for the head's handshake; a head that does not answer yet (it is starting too)
+  proves nothing, so startup goes on (passing there would hand an unattached replica to ``live``, which
+  kills it 30 s later: a loaded node takes minutes to start a stage's engine).
 - ``live``: registered with the head. Fails when the head detached it (0.30 never takes a detached
   replica back) or when the head is another process that never saw it (a replica of a dead head never
   registers again by itself): a restarted container registers anew and is attached. Passes while the
