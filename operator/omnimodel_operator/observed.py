@@ -19,3 +19,6 @@ class Observed:
 
     objects: Mapping[Key, Manifest] = field(default_factory=dict)
     pods: Sequence[Manifest] = ()
+    # Bytes of each stage's weights as this OmniModel's fetch reported them (status.weights.stageBytes),
+    # once known: what a stage holding its weights in host memory requests (builders/common.py).
+    stage_bytes: Mapping[str, int] = field(default_factory=dict)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,7 +31,7 @@ from omnimodel_operator.runtimes import Runtime, render, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.spec import InvalidSpec
 from omnimodel_operator.status import Problems, compute_status, invalid_status, status_dict
-from omnimodel_operator.weights import weights_state
+from omnimodel_operator.weights import keep_stage_bytes, known_stage_bytes, weights_state
 
 # The label the Job controller puts on its pods (Kubernetes 1.27+; the bare job-name too).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -170,8 +170,19 @@ def _status(
         job = job_name(plan)
         job_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) == job]
         weights = weights_state(job, plan.spec.model.revision, current.get(("Job", job)), job_pods, progress)
+        weights = keep_stage_bytes(weights, old.weights)
     stages, gateway = runtime.components(current, pods)
     return compute_status(plan, stages, gateway, hpas, old, generation, now, problems, autoscalers, weights)
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) from ``old`` to ``new``: a key gone at any depth is nulled, since a
+    merge patch keeps whatever it does not name (a fetch's failure reason would outlive its success)."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        out[key] = merge_patch(before, value) if isinstance(value, Mapping) and isinstance(before, Mapping) else value
+    return out
 
 
 async def write_status(
@@ -181,7 +192,7 @@ async def write_status(
     if new == old:
         return False
     meta = body["metadata"]
-    patch = {**new, **{k: None for k in old if k not in new}}
+    patch = merge_patch(old, new)
     await client.patch_status(C.API_VERSION, C.KIND, meta["namespace"], meta["name"], patch)
     for event in (weights_event(body, old, new, now), transition_event(body, old, new, now)):
         if event is not None:
@@ -314,6 +325,9 @@ async def reconcile(
     missing = await missing_secrets(client, namespace, runtime.plan.spec) if _secrets_due(old, generation) else ()
     if missing:
         outcome.recheck_after = SECRET_RECHECK_SECONDS
+    if fetches(runtime.plan):
+        # The stages' weights as the fetch reported them (status): CPU stages request memory to fit them.
+        observed = replace(observed, stage_bytes=known_stage_bytes(old.weights, job_name(runtime.plan)))
     desired = render(runtime, settings, observed)
     live = {key: obj for key, obj in observed.objects.items() if owned_by(obj, uid)}
     wanted = {_key(m) for m in desired}

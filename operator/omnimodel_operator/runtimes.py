@@ -104,7 +104,7 @@ class OmniModelRuntime:
     plan: Plan
 
     def children(self, settings: OperatorSettings, observed: Observed | None) -> list[Manifest]:
-        return render_omnimodel(self.plan, settings)
+        return render_omnimodel(self.plan, settings, observed.stage_bytes if observed else None)
 
     def components(
         self, current: Mapping[Key, Manifest], pods: Sequence[Manifest]
@@ -144,7 +144,8 @@ class VllmOmniRuntime:
 
     def children(self, settings: OperatorSettings, observed: Observed | None) -> list[Manifest]:
         # The head and its replicas restart together, so what is live decides this pass's marks.
-        return render_vllm_omni(self.plan, settings, restart_marks_of(self.plan, observed))
+        marks = restart_marks_of(self.plan, observed)
+        return render_vllm_omni(self.plan, settings, marks, observed.stage_bytes if observed else None)
 
     def components(
         self, current: Mapping[Key, Manifest], pods: Sequence[Manifest]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from omnimodel_operator.api.v1alpha1 import WeightsStatus
@@ -30,6 +30,8 @@ FETCH_REASONS: Final = frozenset(
     {"Unauthorized", "NotFound", "NoSpace", "Network", "RateLimited", "HubError", "Invalid", "Failed"}
 )
 _COMPLETE = re.compile(r"^Complete: (?P<repo>\S+)@(?P<sha>[0-9a-f]{40}): (?P<files>\d+) files, (?P<bytes>\d+) bytes")
+# "...; stage bytes: thinker=123 talker=45" (omnimodel_runtime.fetch.run.FetchResult.message).
+_STAGE_BYTES = re.compile(r"; stage bytes: (?P<pairs>(?:[A-Za-z0-9_.-]+=\d+ ?)+)$")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,21 @@ class Weights:
     @property
     def failed(self) -> bool:
         return self.status.state == "Failed"
+
+
+def known_stage_bytes(old: WeightsStatus | None, job_name: str) -> dict[str, int]:
+    """Each stage's bytes as last reported for this fetch Job (the Job's name hashes what it fetches)."""
+    return dict(old.stage_bytes or {}) if old is not None and old.job == job_name else {}
+
+
+def keep_stage_bytes(weights: Weights, old: WeightsStatus | None) -> Weights:
+    """``weights`` with the sizes its Job reported before, when this pass could not read them again (the
+    fetch pod's progress is scraped only while it runs, a completed pod may be garbage-collected): the
+    stages' memory requests follow them, and a size that came and went would roll the stages each time."""
+    known = known_stage_bytes(old, weights.status.job)
+    if weights.status.stage_bytes or not known:
+        return weights
+    return replace(weights, status=weights.status.model_copy(update={"stage_bytes": known}))
 
 
 def _job_condition(job: Mapping[str, Any], *types: str) -> Mapping[str, Any] | None:
@@ -79,6 +96,23 @@ def _ended(pods: Sequence[Manifest]) -> list[tuple[str, Mapping[str, Any]]]:
 def _one_line(text: str, limit: int = 600) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _stage_bytes(text: str) -> dict[str, int] | None:
+    found = _STAGE_BYTES.search(text)
+    if found is None:
+        return None
+    return {name: int(size) for name, size in (pair.split("=") for pair in found["pairs"].split())}
+
+
+def _sizes(progress: Mapping[str, Any]) -> dict[str, int] | None:
+    sizes = progress.get("stage_bytes")
+    if not isinstance(sizes, Mapping) or not sizes:
+        return None
+    try:
+        return {str(k): int(v) for k, v in sizes.items()}
+    except (TypeError, ValueError):
+        return None  # a fetch of another version: the sizes are an aid, never a reason to fail
 
 
 def _reason_of(message: str) -> str:
@@ -123,7 +157,7 @@ def weights_state(
         if found:
             files, size = int(found["files"]), int(found["bytes"])
             numbers = {"sha": found["sha"], "files_done": files, "files_total": files,
-                       "bytes_done": size, "bytes_total": size}  # fmt: skip
+                       "bytes_done": size, "bytes_total": size, "stage_bytes": _stage_bytes(text)}  # fmt: skip
         message = text or f"fetch Job {job_name} completed"
         return Weights(WeightsStatus(state="Complete", message=message, **base, **numbers), "Complete", message)
     failed = _job_condition(job, "Failed", "FailureTarget")
@@ -142,6 +176,7 @@ def weights_state(
                            ("bytes_done", "bytes_done"), ("bytes_total", "bytes_total"))
             if progress.get(src) is not None
         }  # fmt: skip
+        numbers["stage_bytes"] = _sizes(progress)
     retry = f"; retrying after: {last_message}" if last_message else ""
     if running:
         if numbers.get("bytes_total"):

@@ -60,7 +60,9 @@ def _remove(obj: dict[str, Any], path: Path) -> None:
 def _merge(base: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in patch.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+        if value is None:  # RFC 7386: null deletes, at any depth
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

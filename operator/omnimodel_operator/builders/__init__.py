@@ -8,6 +8,8 @@ whatever they return, in order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from omnimodel_operator import constants as C
 from omnimodel_operator.builders.common import Manifest, content_hash, service_account
 from omnimodel_operator.builders.gateway import gateway_deployment, gateway_service
@@ -24,15 +26,17 @@ from omnimodel_operator.resolve import Plan
 from omnimodel_operator.settings import OperatorSettings
 
 
-def render_omnimodel(plan: Plan, settings: OperatorSettings) -> list[Manifest]:
+def render_omnimodel(
+    plan: Plan, settings: OperatorSettings, stage_bytes: Mapping[str, int] | None = None
+) -> list[Manifest]:
     """Every child of one OmniModel on this project's runtime, in apply order (config before the pods
-    that mount it)."""
+    that mount it). ``stage_bytes``: each stage's weights, once the fetch has told (sizes CPU stages)."""
     out: list[Manifest] = [pipeline_configmap(plan), service_account(plan)]
     # The weights: a claim to keep them in (when the operator creates it) and the one fetch into it.
     out.extend(m for m in (weights_claim(plan), fetch_job(plan, settings)) if m is not None)
     for sp in plan.stages:
         out.append(stage_service(plan, sp))
-        out.append(stage_deployment(plan, sp, settings))
+        out.append(stage_deployment(plan, sp, settings, (stage_bytes or {}).get(sp.stage.name)))
         for optional in (stage_hpa(plan, sp), stage_pdb(plan, sp)):
             if optional is not None:
                 out.append(optional)

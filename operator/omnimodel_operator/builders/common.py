@@ -6,7 +6,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from omnimodel_operator import constants as C
 from omnimodel_operator import naming
@@ -136,24 +136,43 @@ def resources_dict(
     return out
 
 
-def stage_requests(settings: OperatorSettings, accelerator: AcceleratorRequest) -> dict[str, str]:
+# Beyond its weights, what a stage that holds them in host memory needs: the process, activations, buffers.
+WEIGHTS_HEADROOM: Final = 1024**3
+
+
+def stage_requests(
+    settings: OperatorSettings, accelerator: AcceleratorRequest, weights_bytes: int | None = None
+) -> dict[str, str]:
     """What a stage container requests unless its spec says otherwise: the process's own share
-    (``stage_requests``) plus ``device_requests`` per device of a replica. The model's size is not a
-    term: an hf:// model's is first learned by the fetch its stage pods wait for, a pvc:// or file://
-    model's never; a stage that needs more sets ``resources``."""
+    (``stage_requests``) plus ``device_requests`` per device of a replica.
+
+    A stage without devices holds its weights in host memory, so once their size is known
+    (``weights_bytes``: what the fetch of an hf:// model reported for this stage) it requests at least
+    that plus :data:`WEIGHTS_HEADROOM`. The size arrives after the stage's first pods exist (they wait for
+    the fetch), so those pods are replaced once, while they still wait. A pvc:// or file:// model's size
+    is never known: a stage that needs more sets ``resources``."""
     devices = accelerator.count if accelerator_for(accelerator.vendor).resource_name else 0
-    if not devices:
-        return dict(settings.stage_requests)
-    return add_quantities((settings.stage_requests, 1), (settings.device_requests, devices))
+    if devices:
+        return add_quantities((settings.stage_requests, 1), (settings.device_requests, devices))
+    requests = dict(settings.stage_requests)
+    if weights_bytes and "memory" in requests:
+        need = Decimal(weights_bytes + WEIGHTS_HEADROOM)
+        if need > parse_quantity(requests["memory"]):
+            requests["memory"] = format_quantity(need, "memory")
+    return requests
 
 
 def stage_resources(
-    resources: Resources | None, accelerator: AcceleratorRequest, settings: OperatorSettings
+    resources: Resources | None,
+    accelerator: AcceleratorRequest,
+    settings: OperatorSettings,
+    weights_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """A stage container's requests and limits: derived from its accelerator, overridden by its spec."""
+    """A stage container's requests and limits: derived from its accelerator and its weights' size
+    (:func:`stage_requests`), overridden by its spec."""
     return resources_dict(
         resources,
-        stage_requests(settings, accelerator),
+        stage_requests(settings, accelerator, weights_bytes),
         settings.limit_ratios,
         accelerator_for(accelerator.vendor).resources(accelerator),
     )

@@ -42,7 +42,9 @@ def stage_hash(plan: Plan, sp: StagePlan) -> str:
     )
 
 
-def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> Manifest:
+def stage_deployment(
+    plan: Plan, sp: StagePlan, settings: OperatorSettings, weights_bytes: int | None = None
+) -> Manifest:
     stage = sp.stage
     user = sp.spec
     acc = accelerator_for(stage.accelerator.vendor)
@@ -82,7 +84,7 @@ def stage_deployment(plan: Plan, sp: StagePlan, settings: OperatorSettings) -> M
             [{"name": k, "value": v} for k, v in acc.env().items()],
             env_list(user.env if user else None),
         ),
-        resources=stage_resources(own, stage.accelerator, settings),
+        resources=stage_resources(own, stage.accelerator, settings, weights_bytes),
         mounts=[pipeline_mount, cache_mount, *source_mounts, *scratch_mounts],
         startup_seconds=STAGE_STARTUP_SECONDS,
     )

@@ -38,6 +38,8 @@ class FetchProgress:
         self.files_total = 0
         self.files_done = 0
         self.bytes_total = 0
+        # Bytes of each stage's own file set, once planned (stages share files, so they add up to more).
+        self.stage_bytes: dict[str, int] = {}
         self._bytes_complete = 0
         self.bytes_downloaded_complete = 0
         self.reason: str | None = None
@@ -78,6 +80,7 @@ class FetchProgress:
                 "bytes_done": done,
                 "bytes_total": self.bytes_total,
                 "bytes_downloaded": self.bytes_downloaded_complete + in_flight,
+                "stage_bytes": dict(self.stage_bytes),
                 "files_done": self.files_done,
                 "files_total": self.files_total,
                 "reason": self.reason,

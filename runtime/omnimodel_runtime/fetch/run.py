@@ -44,9 +44,11 @@ class FetchResult:
         if self.plan is None:
             return "Skipped: not an hf:// model source, nothing to fetch"
         union = self.plan.union
+        # Each stage's share: the operator sizes the memory of stages that hold weights in host memory.
+        stages = " ".join(f"{name}={self.plan.stage_bytes(name)}" for name in self.plan.stages)
         return (
             f"Complete: {self.plan.repo}@{self.plan.sha}: {len(union)} files, {sum(union.values())} bytes, "
-            f"{self.downloaded_bytes} bytes downloaded"
+            f"{self.downloaded_bytes} bytes downloaded; stage bytes: {stages}"
         )
 
 
@@ -70,7 +72,7 @@ def fetch_pipeline(
     try:
         cache.mkdir(parents=True, exist_ok=True)
         plan = plan_from_hub(pipeline.model, pick_stages(pipeline, stages), cache)
-        progress.update(sha=plan.sha)
+        progress.update(sha=plan.sha, stage_bytes={name: plan.stage_bytes(name) for name in plan.stages})
         log.info("fetch %s@%s is %s; %s", repo, revision, plan.sha, plan.summary())
         with layout.fetch_lock(cache, repo, plan.sha):
             downloaded = _download(plan, cache, progress, workers)

@@ -14,10 +14,12 @@ from omnimodel_operator import conditions as cond
 from omnimodel_operator.api.v1alpha1 import OmniModelSpec, OmniModelStatus
 from omnimodel_operator.builders.weights import job_name
 from omnimodel_operator.cli import main
+from omnimodel_operator.observed import Observed
+from omnimodel_operator.reconcile import merge_patch
 from omnimodel_operator.runtimes import render, resolve
 from omnimodel_operator.settings import OperatorSettings
 from omnimodel_operator.status import ComponentState, compute_status
-from omnimodel_operator.weights import weights_state
+from omnimodel_operator.weights import keep_stage_bytes, weights_state
 
 REPO = Path(__file__).parents[3]
 SETTINGS = OperatorSettings()
@@ -162,7 +164,23 @@ def test_weights_follow_the_job_from_pending_to_complete() -> None:
     line = f"Complete: acme/tiny-image@{SHA}: 8 files, 1000 bytes, 1000 bytes downloaded"
     done = weights_state("img-fetch-1", "v1", job("Complete"), [pod("Succeeded", line)])
     assert done.ready and done.status.sha == SHA and done.status.bytes_total == 1000
-    assert done.status.message == line
+    assert done.status.message == line and done.status.stage_bytes is None  # an older fetch's line
+
+
+def test_each_stages_share_comes_from_the_progress_then_the_complete_line_and_outlives_both() -> None:
+    progress = {"state": "downloading", "sha": SHA, "bytes_done": 0, "bytes_total": 1000,
+                "stage_bytes": {"encode": 300, "denoise": 600, "decode": 100}}  # fmt: skip
+    running = weights_state("img-fetch-1", "v1", job(), [pod("Running")], progress)
+    assert running.status.stage_bytes == {"encode": 300, "denoise": 600, "decode": 100}
+    line = f"Complete: acme/tiny-image@{SHA}: 8 files, 1000 bytes, 0 bytes downloaded; stage bytes: encode=310 dit=690"
+    done = weights_state("img-fetch-1", "v1", job("Complete"), [pod("Succeeded", line)])
+    assert done.status.stage_bytes == {"encode": 310, "dit": 690}
+    # The completed pod garbage-collected: the Job's Complete says nothing of sizes any more.
+    bare = weights_state("img-fetch-1", "v1", job("Complete"), [])
+    assert bare.status.stage_bytes is None
+    assert keep_stage_bytes(bare, done.status).status.stage_bytes == {"encode": 310, "dit": 690}
+    # Another Job (the revision or the file sets changed) fetches other bytes: nothing carries over.
+    assert keep_stage_bytes(weights_state("img-fetch-2", "v2", None, []), done.status).status.stage_bytes is None
 
 
 def test_a_retried_fetch_says_why_and_a_failed_one_gives_the_fetch_reason() -> None:
@@ -208,3 +226,28 @@ def test_ready_waits_for_the_weights_and_names_a_failed_fetch() -> None:
     assert conditions_of(ready)[cond.READY] == ("True", cond.ALL_READY)
     assert conditions_of(ready)[cond.WEIGHTS_READY] == ("True", "Complete")
     assert job_name(resolve("img", "ml", spec(cache={"pvc": "w"}), SETTINGS).plan).startswith("img-fetch-")
+
+
+def test_a_failed_fetchs_reason_does_not_outlive_its_success_in_the_status_patch() -> None:
+    # Status is written as a JSON merge patch, which keeps any key it does not name: nested keys that
+    # went away are nulled, or Complete would still carry the retry's reason.
+    old = {"weights": {"state": "Fetching", "job": "j", "reason": "Network"}, "stale": 1}
+    new = {"weights": {"state": "Complete", "job": "j"}}
+    assert merge_patch(old, new) == {"stale": None, "weights": {"reason": None, "state": "Complete", "job": "j"}}
+
+
+def test_only_stages_without_devices_are_sized_by_their_own_files() -> None:
+    spec_ = spec(cache={"pvc": "weights"})
+    spec_["stages"] = [{"name": "decode", "accelerator": {"vendor": "cpu"}}]
+    runtime = resolve("img", "ml", spec_, SETTINGS, uid="u1")
+    sizes = {"encode": 9 * 2**30, "denoise": 40 * 2**30, "decode": 3 * 2**30 + 5}
+    objs = {(m["kind"], m["metadata"]["name"]): m for m in render(runtime, SETTINGS, Observed(stage_bytes=sizes))}
+
+    def requests(stage: str) -> dict[str, str]:
+        (container,) = pod_spec(objs[("Deployment", f"img-{stage}")])["containers"]
+        return dict(container["resources"]["requests"])
+
+    # Its own share (not the whole model's 52 GiB) plus 1Gi, in whole bytes as the API server writes them.
+    assert requests("decode")["memory"] == str(4 * 2**30 + 5)
+    # GPU stages keep their weights on the device: the per-device default, whatever their files weigh.
+    assert requests("denoise")["memory"] == requests("encode")["memory"] == "18Gi"

@@ -248,9 +248,11 @@ class StageSpec(KubeModel):
     resources: Resources | None = Field(
         default=None,
         description="CPU/memory requests and limits. A resource not requested here is requested at the "
-        "operator's default (its stage requests plus its per-device requests for each device of a replica), or "
-        "at its limit when only limited here; a requested resource not limited here is limited to a multiple "
-        "of its request (by default memory 1x, CPU 4x). Device limits come from accelerator.",
+        "operator's default (its stage requests plus its per-device requests for each device of a replica; a "
+        "stage without devices of an hf:// model fetched into a cache requests memory of at least its files' "
+        "size plus 1Gi once the fetch reports it, status.weights.stageBytes), or at its limit when only "
+        "limited here; a requested resource not limited here is limited to a multiple of its request (by "
+        "default memory 1x, CPU 4x). Device limits come from accelerator.",
     )
     node_selector: dict[str, str] | None = Field(
         default=None, description="Extra node labels, merged over the accelerator's product label."

@@ -71,6 +71,12 @@ class WeightsStatus(StatusModel):
     files_total: int | None = Field(default=None, description="Files the stages need together.")
     bytes_done: int | None = Field(default=None, description="Bytes in the cache, of bytesTotal.")
     bytes_total: int | None = Field(default=None, description="Bytes the stages need together.")
+    stage_bytes: dict[str, int] | None = Field(
+        default=None,
+        description="Bytes of each stage's own files (stages may share files), as the fetch planned them; kept "
+        "once known for this Job. A stage without accelerator devices requests at least this much memory plus "
+        "1Gi (its weights sit in host memory), unless its resources set memory.",
+    )
     reason: str | None = Field(
         default=None,
         description="Why it failed: Unauthorized, NotFound, NoSpace, Network, RateLimited, HubError, Invalid "
