@@ -16,11 +16,10 @@ the module when it is imported, or at once if it already is (the worker process 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
 from types import ModuleType
 from typing import Any
+
+from omnimodel_vllm_omni_cpu.on_import import patch_on_import
 
 _TARGET = "vllm_omni.diffusion.worker.diffusion_worker"
 
@@ -63,28 +62,6 @@ def _patch(module: ModuleType) -> None:
     worker._omnimodel_cpu_output_loop = True
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            _patch(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Patch the worker module now if it is imported, else when it is (idempotent)."""
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _patch(module)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    patch_on_import((_TARGET,), _patch)

@@ -19,11 +19,10 @@ attribute and never load this.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 from types import ModuleType
 from typing import Any
+
+from omnimodel_vllm_omni_cpu.on_import import patch_on_import
 
 _TARGET = "vllm_omni.distributed.omni_connectors.connectors.mooncake_store_connector"
 
@@ -54,25 +53,6 @@ def _patch_stage_id(module: ModuleType) -> None:
     connector._omnimodel_stage_id = True
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            _patch(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
-    """Patch the connector module when it is first imported (idempotent)."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    """Patch the connector module now if it is imported, else when it is (idempotent)."""
+    patch_on_import((_TARGET,), _patch)

@@ -17,12 +17,11 @@ Installed by the platform hook (``activate``) in every vLLM-Omni process; it wra
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 from types import ModuleType
 from typing import Any
+
+from omnimodel_vllm_omni_cpu.on_import import patch_on_import
 
 _TARGETS = ("vllm_omni.config.stage_config", "vllm_omni.config.omni_config")
 _NAME = "_apply_platform_overrides"
@@ -52,29 +51,6 @@ def _patch(module: ModuleType) -> None:
     setattr(module, _NAME, apply_platform_overrides)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in _TARGETS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            _patch(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Patch the two modules now where imported, else when they are (idempotent)."""
-    for name in _TARGETS:
-        module = sys.modules.get(name)
-        if module is not None:
-            _patch(module)
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    patch_on_import(_TARGETS, _patch)
