@@ -96,8 +96,10 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build(out: Path, *, seed: int) -> None:
-    """Write a random-weight Wan2.2-layout ``WanPipeline`` into ``out``."""
+def text_side(seed: int) -> tuple[PreTrainedTokenizerFast, UMT5EncoderModel]:
+    """The tokenizer and the UMT5 text encoder every tiny Wan pipeline shares, with progress bars off.
+    Seeded before the encoder: module initialisers draw from the global RNG, and each part must come out
+    the same whatever the others are."""
     hf_logging.disable_progress_bar()
     diffusers_logging.disable_progress_bar()
     tokenizer = build_tokenizer(seed)
@@ -108,10 +110,14 @@ def build(out: Path, *, seed: int) -> None:
         decoder_start_token_id=tokenizer.pad_token_id,
         **TEXT_ENCODER,
     )
-    # Seed before each part: module initialisers draw from the global RNG, and each part must come out
-    # the same whatever the others are. The two experts get different seeds so they are different models.
     torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(config).eval()
+    return tokenizer, UMT5EncoderModel(config).eval()
+
+
+def build(out: Path, *, seed: int) -> None:
+    """Write a random-weight Wan2.2-layout ``WanPipeline`` into ``out``."""
+    tokenizer, text_encoder = text_side(seed)
+    # Seeded before each part (see text_side); the two experts get different seeds so they differ.
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**TRANSFORMER)
     torch.manual_seed(seed + 1)

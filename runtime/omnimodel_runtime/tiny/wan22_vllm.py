@@ -23,11 +23,8 @@ from typing import Any, Final
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from diffusers.utils import logging as diffusers_logging
-from transformers import UMT5Config, UMT5EncoderModel
-from transformers.utils import logging as hf_logging
 
-from omnimodel_runtime.tiny.text_to_video import SCHEDULER, TEXT_ENCODER, TRANSFORMER, build_tokenizer
+from omnimodel_runtime.tiny.text_to_video import SCHEDULER, TRANSFORMER, text_side
 
 PRESET: Final = "text-to-video-ti2v-vllm-omni"
 LATENT_CHANNELS: Final = 48
@@ -58,20 +55,8 @@ TI2V_VAE: Final[dict[str, Any]] = {
 
 def build(out: Path, *, seed: int) -> None:
     """Write a random-weight Wan2.2 TI2V-5B-layout ``WanPipeline`` into ``out``."""
-    hf_logging.disable_progress_bar()
-    diffusers_logging.disable_progress_bar()
-    tokenizer = build_tokenizer(seed)
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-        **TEXT_ENCODER,
-    )
-    # Seed before each part: module initialisers draw from the global RNG, and each part must come out
-    # the same whatever the others are.
-    torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(config).eval()
+    tokenizer, text_encoder = text_side(seed)
+    # Seeded before each part (see text_side).
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**TI2V_TRANSFORMER)
     torch.manual_seed(seed)
