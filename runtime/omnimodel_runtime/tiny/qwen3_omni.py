@@ -266,7 +266,11 @@ def _make_audible(model: Qwen3OmniMoeForConditionalGeneration, seed: int) -> Non
     clamped to [-1, 1], so the level must stay well inside that)."""
     code2wav = model.code2wav
     gen = torch.Generator().manual_seed(seed + 2)
-    probe = torch.randint(0, CODES, (1, CODE_GROUPS, 24), generator=gen)
+    # Every quantizer's codes (4 tiny, 16 at real size), drawn on the CPU (the same bytes either way) and
+    # sent to where the model was built.
+    groups = int(code2wav.config.num_quantizers)
+    device = next(code2wav.parameters()).device
+    probe = torch.randint(0, CODES, (1, groups, 24), generator=gen).to(device)
     with torch.no_grad():
         rms = float(code2wav(probe).float().pow(2).mean().sqrt())
         if rms == 0.0:
