@@ -3,13 +3,14 @@ model on the CPU: the same decode-slot and DiT-batching code the GPU runs, witho
 
 A lone greedy request still gives the whole model's text exactly and its waveform to within one step of
 16-bit PCM (the slot decoder's attention sums in another order than Hugging Face's, in float32); requests
-sent together run in shared decode steps and DiT passes and each gets what it gets alone.
+sent together run in shared decode steps, DiT passes and vocoder passes and each gets what it gets alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,51 @@ async def test_chunks_of_several_streams_in_one_dit_pass_match_one_pass_over_the
 
 
 @pytest.mark.slow
+async def test_streams_sent_together_share_vocoder_passes_and_each_gets_its_audio_alone(
+    serve: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a DiT pass over several streams' windows, BigVGAN voices their chunks as the rows of one batch
+    (one pass and one copy to the host per mel length, not one per stream): each stream still gets, piece by
+    piece, the audio it gets alone."""
+    engine = serve.engine("code2wav")
+    plan = engine._plan
+    # One chunk size: which of several sizes a stream takes depends on how far ahead of real time it is, so
+    # the same stream would be cut differently alone and together. And a length whose last full chunk does
+    # not end at the look-ahead's edge, so that the end of the codes is known before the last window runs.
+    monkeypatch.setattr(engine, "_plan", dataclasses.replace(plan, sizes=(plan.chunk,)))
+    length = plan.first + 3 * plan.chunk + plan.lookahead + 1
+    rng = np.random.default_rng(5)
+    streams = [rng.integers(0, 64, length) for _ in range(3)]
+    alone = [
+        await chunked_code2wav(engine, codes, seed=7 + i, request_id=f"voiced-alone-{i}")
+        for i, codes in enumerate(streams)
+    ]
+    vocoder = engine._vocoder
+    passes: list[int] = []  # rows of each vocoder pass
+
+    def counting(mel: torch.Tensor) -> torch.Tensor:
+        passes.append(int(mel.shape[0]))
+        return vocoder(mel)
+
+    monkeypatch.setattr(engine, "_vocoder", counting)
+    together = await asyncio.gather(
+        *(
+            chunked_code2wav(engine, codes, seed=7 + i, request_id=f"voiced-together-{i}")
+            for i, codes in enumerate(streams)
+        )
+    )
+    for single, pieces in zip(alone, together, strict=True):
+        assert len(pieces) == len(single) == 5  # the first chunk, three more, the rest
+        for a, b in zip(single, pieces, strict=True):
+            assert a.shape == b.shape
+            # The rounding of a matrix product over more rows, far below a 16-bit PCM step (3e-5).
+            assert float(np.abs(a - b).max()) < 1e-5
+    # Every piece is one row of a pass, and passes held several streams' pieces.
+    assert sum(passes) == sum(len(pieces) for pieces in together)
+    assert len(passes) < sum(passes), passes
+
+
+@pytest.mark.slow
 async def test_a_batched_step_s_frames_reach_the_event_loop_in_one_wake_up(serve: Served) -> None:
     """The talker's codes for every stream of a step leave in one flush (one event-loop wake-up), not one
     each: the loop thread competes for the GIL with the stage workers."""
@@ -242,7 +288,7 @@ async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bi
     lengths: list[int] = []
 
     def recording(mel: torch.Tensor) -> torch.Tensor:
-        lengths.append(int(mel.shape[2]))
+        lengths.extend([int(mel.shape[2])] * int(mel.shape[0]))
         return vocoder.forward(mel)
 
     codes = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(1)).numpy()
@@ -258,7 +304,7 @@ async def test_the_vocoder_gets_the_mel_lengths_it_captures_and_computes_what_bi
         (1, int(engine.model.code2wav_dit_model.mel_dim), lengths[0]), generator=torch.Generator().manual_seed(2)
     )
     with torch.inference_mode():
-        assert torch.equal(vocoder.forward(mel), engine.model.code2wav_bigvgan_model(mel).reshape(-1))
+        assert torch.equal(vocoder.forward(mel), engine.model.code2wav_bigvgan_model(mel).reshape(1, -1))
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ whole ``sample_mel`` — 36 DiT evaluations — is captured as one CUDA graph pe
 Batched serving (``engine_args.batching``, on by default on accelerators) runs the chunks of several
 streamed requests that are ready at the same time, with windows of the same length, as one DiT pass
 (batch rows are independent: each row's result is its own, up to the rounding of a larger matrix
-product). The window shapes every steady stream uses (the first window, then left context + chunk +
+product); BigVGAN then voices the chunks of that pass as the rows of one batch per mel length, with one
+copy to the host. The window shapes every steady stream uses (the first window, then left context + chunk +
 look-ahead) are captured at start, and so are BigVGAN's steady chunk shapes; a stream's last window
 widens its left context to one of those lengths where it has the codes (else it runs eagerly, as do
 time-stretched speech chunks). First windows run before the others, and wait a moment for a stream a
@@ -41,7 +42,9 @@ graphs, compiled blocks) :mod:`~omnimodel_runtime.engines.omni.code2wav_graphs`.
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,6 +102,8 @@ __all__ = [
     "sample_mel",
 ]
 
+log = logging.getLogger(__name__)
+
 # First windows wait this long at most for another stream's first window that lacks at most GATHER_CODES
 # codes (see OmniCode2WavEngine._gathering).
 GATHER_S = 0.015
@@ -138,7 +143,8 @@ class OmniCode2WavEngine(OmniEngine):
         self._hop = int(np.prod(config.token2wav_config.bigvgan_config.upsample_rates))
         repeats = int(self.model.code2wav_dit_model.repeats)
         graphed = self._plan.vocoder_frames(repeats) if self.batched and self.graphs else ()
-        self._vocoder = _Vocoder(self.model.code2wav_bigvgan_model, self.device, lengths=graphed)
+        rows = int(self.args.get("dit_batch", 4))  # a DiT pass's streams are vocoded together
+        self._vocoder = _Vocoder(self.model.code2wav_bigvgan_model, self.device, lengths=graphed, max_rows=rows)
         if self.batched:
             self._load_batched()
 
@@ -308,10 +314,35 @@ class OmniCode2WavEngine(OmniEngine):
                 moved = True
                 self.context.metrics.observe_batch(len(part))
                 mels = self._mels.run([(s.job, w) for s, w in part])
+                voicing: list[_Voicing] = []
                 for (state, window), mel in zip(part, mels, strict=True):
                     with self.alone(state.job, finished):
-                        state.finish(window, mel.unsqueeze(0))
+                        item = state.take(window, mel.unsqueeze(0))
+                        if item is not None:
+                            voicing.append(item)
+                # After each pass, not after the round: a first window's audio still waits for no other pass.
+                self._voice(voicing, finished)
         return finished, moved
+
+    def _voice(self, items: list[_Voicing], finished: list[OmniJob]) -> None:
+        """Vocode several streams' chunks and send each its audio: one vocoder pass and one copy to the host
+        per mel length, where one per stream cost a graph replay and a device sync each (16 streams on an
+        H100: 16 serial passes a step). A shared pass that fails is retried stream by stream, so that a
+        failure ends only the request it belongs to."""
+        assert self._vocoder is not None
+        groups: dict[int, list[_Voicing]] = {}
+        for item in items:
+            groups.setdefault(int(item.mel.shape[2]), []).append(item)
+        for group in groups.values():
+            rows: list[np.ndarray] | None = None
+            if len(group) > 1:
+                try:
+                    rows = list(_host(self._vocoder(torch.cat([item.mel for item in group]))))
+                except Exception:
+                    log.exception("Vocoding %d streams together failed; vocoding them one by one", len(group))
+            for i, item in enumerate(group):
+                with self.alone(item.state.job, finished):
+                    item.state.send(item, rows[i] if rows is not None else _host(self._vocoder(item.mel))[0])
 
     def _gathering(self, ready: list[tuple[_Chunked, _Window]], jobs: list[OmniJob]) -> bool:
         """Whether to hold this round's first windows a moment (up to ``GATHER_S``) for another stream whose
@@ -342,9 +373,29 @@ class OmniCode2WavEngine(OmniEngine):
         return False
 
     def _emit_audio(self, job: OmniJob, waveform: torch.Tensor) -> None:
-        samples = waveform.detach().reshape(-1).float().to("cpu").numpy()
+        self._emit_samples(job, _host(waveform).reshape(-1))
+
+    @staticmethod
+    def _emit_samples(job: OmniJob, samples: np.ndarray) -> None:
+        """Send ``samples`` (host, float32), unless there are none."""
         if samples.size:
             job.emit(TensorFrame({"audio": samples}, meta={**AUDIO_META, "sample_rate": SAMPLE_RATE}))
+
+
+def _host(waveform: torch.Tensor) -> np.ndarray:
+    """A device waveform as float32 samples on the host (the copy waits for the device)."""
+    return np.asarray(waveform.detach().float().to("cpu").numpy())
+
+
+@dataclass
+class _Voicing:
+    """A stream's mel to vocode and what of its waveform to send (:meth:`_Chunked.take`)."""
+
+    state: _Chunked
+    mel: torch.Tensor  # (1, mel_dim, frames): the frames to voice with the vocoder's context around them
+    skip: int  # samples of the left context, already sent
+    count: int  # samples to send
+    ready: int  # mel frames voiced once they are sent
 
 
 class _Whole:
@@ -434,7 +485,15 @@ class _Chunked:
 
     def finish(self, window: _Window, out: torch.Tensor) -> None:
         """Keep the chunk's mel out of the window's DiT output ``out`` (1, mel_dim, frames), and vocode and
-        send what has enough right context (everything at the end)."""
+        send what has enough right context (everything at the end): this stream alone."""
+        item = self.take(window, out)
+        if item is not None:
+            assert self.engine._vocoder is not None
+            self.send(item, _host(self.engine._vocoder(item.mel))[0])
+
+    def take(self, window: _Window, out: torch.Tensor) -> _Voicing | None:
+        """Keep the chunk's mel out of the window's DiT output ``out`` (1, mel_dim, frames); the mel to vocode
+        for what has enough right context (everything at the end), or None when nothing has."""
         engine, plan, repeats = self.engine, self.plan, self.repeats
         keep = out[:, :, (window.start - window.lo) * repeats : (window.end - window.lo) * repeats]
         last = self.ended and window.end >= len(self.codes)
@@ -445,15 +504,23 @@ class _Chunked:
         self.chunks += 1
         total = self.mel_start + self.mel.shape[2]
         ready = total if last else total - plan.vocoder_context
-        if ready > self.voiced:
-            lo_m = max(self.mel_start, self.voiced - plan.vocoder_context)
-            hi_m = min(total, ready + plan.vocoder_context)
-            assert engine._vocoder is not None
-            audio = engine._vocoder(self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start])
-            skip = (self.voiced - lo_m) * engine._hop
-            engine._emit_audio(self.job, audio[skip : skip + (ready - self.voiced) * engine._hop])
-            self.first_audio = self.first_audio or time.monotonic()
-            self.voiced = ready
-            # Only the vocoder's left context is needed again.
-            drop = max(0, self.voiced - plan.vocoder_context - self.mel_start)
-            self.mel, self.mel_start = self.mel[:, :, drop:], self.mel_start + drop
+        if ready <= self.voiced:
+            return None
+        lo_m = max(self.mel_start, self.voiced - plan.vocoder_context)
+        hi_m = min(total, ready + plan.vocoder_context)
+        return _Voicing(
+            state=self,
+            mel=self.mel[:, :, lo_m - self.mel_start : hi_m - self.mel_start],
+            skip=(self.voiced - lo_m) * engine._hop,
+            count=(ready - self.voiced) * engine._hop,
+            ready=ready,
+        )
+
+    def send(self, item: _Voicing, waveform: np.ndarray) -> None:
+        """Send the new audio out of ``waveform`` (host samples), the vocoder's output for ``item.mel``."""
+        self.engine._emit_samples(self.job, waveform[item.skip : item.skip + item.count])
+        self.first_audio = self.first_audio or time.monotonic()
+        self.voiced = item.ready
+        # Only the vocoder's left context is needed again.
+        drop = max(0, self.voiced - self.plan.vocoder_context - self.mel_start)
+        self.mel, self.mel_start = self.mel[:, :, drop:], self.mel_start + drop

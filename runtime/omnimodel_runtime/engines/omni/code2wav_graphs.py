@@ -1,7 +1,7 @@
 """The runners of code2wav's batched path: DiT windows of several streams as one :func:`sample_mel` pass
 (:class:`_MelRunner`, the usual window shapes as captured CUDA graphs, optionally over ``torch.compile``d
-blocks: :class:`_CompiledBlocks`) and BigVGAN on a chunk's mel (:class:`_Vocoder`, its steady lengths as
-graphs). The engine that drives them is :mod:`~omnimodel_runtime.engines.omni.code2wav`."""
+blocks: :class:`_CompiledBlocks`) and BigVGAN on several streams' chunks of mel as one batch (:class:`_Vocoder`,
+its steady lengths as graphs). The engine that drives them is :mod:`~omnimodel_runtime.engines.omni.code2wav`."""
 
 from __future__ import annotations
 
@@ -57,30 +57,39 @@ class _CompiledBlocks:
 
 
 class _Vocoder:
-    """BigVGAN on a chunk's mel, leaving the waveform on the device: the model's own forward without its
-    last step (a copy to the host, which a CUDA graph cannot hold and the caller makes anyway). With
-    ``lengths`` (CUDA) those mel lengths replay as captured graphs: eagerly the vocoder is ~1000 small
-    kernels a chunk, launched one by one (32 ms on an H200 for the first chunk)."""
+    """BigVGAN on chunks' mel, several streams' chunks as the rows of one batch, leaving the waveforms on the
+    device: the model's own forward without its last step (a copy to the host, which a CUDA graph cannot hold
+    and the caller makes anyway, once for the batch). With ``lengths`` (CUDA) those mel lengths replay as
+    graphs captured per row bucket up to ``max_rows`` (rows rounded up to a power of two, padded with copies
+    of the first row, as :class:`_MelRunner` does): eagerly the vocoder is ~1000 small kernels a pass,
+    launched one by one (32 ms on an H200 for the first chunk). BigVGAN is convolutions and element-wise
+    activations, so each row's waveform is its own, whatever else shares the batch."""
 
-    def __init__(self, model: Any, device: str, *, lengths: Iterable[int] = ()) -> None:
+    def __init__(self, model: Any, device: str, *, lengths: Iterable[int] = (), max_rows: int = 1) -> None:
         self.model = model
         self.lengths = set(lengths)
-        self._graphs: dict[int, tuple[Any, Any, torch.Tensor]] = {}
+        self.rows = buckets(max_rows)
+        self._graphs: dict[tuple[int, int], tuple[Any, Any, torch.Tensor]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if self.lengths else None
         # amplitude_to_db's floor, the same float32 value the model computes per call; made here because a
         # capture cannot copy a host scalar to the device.
         self._floor = torch.exp(torch.tensor(MIN_DB / 20.0 * np.log(10), device=device, dtype=torch.float32))
 
     def __call__(self, mel: torch.Tensor) -> torch.Tensor:
-        """The waveform (samples,) of mel (1, mel_dim, frames), as ``model(mel)`` computes it."""
-        frames = int(mel.shape[2])
+        """The waveforms (rows, samples) of mel (rows, mel_dim, frames), each row as ``model(row)`` computes it."""
+        rows, frames = int(mel.shape[0]), int(mel.shape[2])
         if frames not in self.lengths:
             return self.forward(mel)
-        graph, out, static = self._graph(frames, mel)
-        static.copy_(mel)
+        most = self.rows[-1]
+        if rows > most:  # more rows than any graph holds: graphs of the largest size
+            return torch.cat([self(mel[start : start + most]) for start in range(0, rows, most)])
+        size = bucket(rows, self.rows)
+        graph, out, static = self._graph(size, frames, mel)
+        static[:rows].copy_(mel)
+        static[rows:].copy_(mel[:1].expand(size - rows, -1, -1))
         graph.replay()
-        waveform: torch.Tensor = out.clone()  # the next replay rewrites out
-        return waveform
+        waveforms: torch.Tensor = out[:rows].clone()  # the next replay rewrites out
+        return waveforms
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -92,30 +101,35 @@ class _Vocoder:
             blocks = range(layer * m.num_residual_blocks, (layer + 1) * m.num_residual_blocks)
             hidden = sum(m.resblocks[i](hidden) for i in blocks) / m.num_residual_blocks
         out: torch.Tensor = torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)
-        return out.reshape(-1)
+        return out.reshape(int(mel.shape[0]), -1)
 
-    def _graph(self, frames: int, like: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
-        found = self._graphs.get(frames)
+    def _graph(self, rows: int, frames: int, like: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+        key = (rows, frames)
+        found = self._graphs.get(key)
         if found is None:
-            static = torch.zeros((1, int(like.shape[1]), frames), device=like.device, dtype=like.dtype)
+            static = torch.zeros((rows, int(like.shape[1]), frames), device=like.device, dtype=like.dtype)
             graph, out = capture(lambda: self.forward(static), self._pool)
-            found = self._graphs[frames] = (graph, out, static)
+            found = self._graphs[key] = (graph, out, static)
         return found
 
     def capture_all(self, mel_dim: int, device: str) -> None:
-        """Capture every length now, so no request waits for a capture; on failure, run eagerly."""
+        """Capture every length for every row bucket now, so no request waits for a capture; on failure, run
+        eagerly."""
         if not self.lengths:
             return
         like = torch.zeros((1, mel_dim, 1), device=device)
         try:
             for frames in sorted(self.lengths):
-                self._graph(frames, like)
+                for rows in self.rows:
+                    self._graph(rows, frames, like)
         except Exception:
             log.exception("CUDA graph capture of the vocoder failed; running it eagerly")
             self._graphs.clear()
             self.lengths = set()
             return
-        log.info("Captured %d vocoder graphs (mel frames %s)", len(self._graphs), sorted(self.lengths))
+        log.info(
+            "Captured %d vocoder graphs (mel frames %s, rows %s)", len(self._graphs), sorted(self.lengths), self.rows
+        )
 
 
 class _MelRunner:
