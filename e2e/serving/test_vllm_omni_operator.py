@@ -329,8 +329,13 @@ def test_an_image_stage_scales_2_to_3_to_1_under_traffic_and_outlives_a_stalled_
     # the orchestrator, the head's own engine); no replica has to follow, there is none left.
     lost = time.monotonic()
     kube.run("delete", "pod", head.name, "--wait=false")
+    # The old head answers while it drains (its pod stays Terminating until its process ends), so the new
+    # head's answers are those after the old process is gone: counting from the delete would end the wait
+    # on the old head's last answers, before the outage, and report a gap of a second.
+    wait_for(lambda: head.uid not in {p.uid for p in heads(pods)}, 300, interval=1, what="the old head's process gone")
+    gone = time.monotonic()
     wait_for(
-        lambda: any(p.uid != head.uid for p in heads(pods)) and traffic.answered_since(lost) >= 2, 420, interval=1,
+        lambda: any(p.uid != head.uid for p in heads(pods)) and traffic.answered_since(gone) >= 2, 420, interval=1,
         what="a new head answering",
     )  # fmt: skip
     head_gap = traffic.longest_gap(lost)
