@@ -6,8 +6,8 @@ Timings on 2 cores (tiny models, CPU): the image graph is up in about a minute a
 three-pod Qwen2.5-Omni graph in about two; a new replica pod registers with the head one to two minutes
 after it is created; a stalled replica is detached about 30 s after it stops, and the kubelet restarts
 it on its liveness probe (not registered) about 30 s later. Scaling the image stage 3 -> 1 is done in
-7-16 s; a deleted head's successor answered 75-141 s later on a loaded machine (its stage at one replica:
-nothing else restarts).
+7-16 s; a deleted head's successor answered 75-141 s later on a loaded machine, 39 s on a quiet one
+(its stage at one replica: nothing else restarts).
 """
 
 from __future__ import annotations
@@ -283,8 +283,8 @@ def test_an_image_stage_scales_2_to_3_to_1_under_traffic_and_outlives_a_stalled_
         seen = time.monotonic() - detached
     finally:
         os.killpg(stalled.proc.pid, signal.SIGCONT)
-    # Its liveness probe would have the kubelet restart it (the Qwen-Omni test above sees that); deleting
-    # the pod first makes it a lost replica: its Deployment's new pod registers with the same head.
+    # Its liveness probe would have the kubelet restart it (seen once with a stalled talker: docs/vllm-omni.md);
+    # deleting the pod first makes it a lost replica: its Deployment's new pod registers with the same head.
     known = set(ADD_REQUEST.findall(log_text(head)))
     kube.run("delete", "pod", stalled.name, "--wait=false")
     replaced = time.monotonic()

@@ -94,7 +94,7 @@ async def test_cpu_stages_request_the_memory_the_fetch_reported_and_keep_it_afte
 
 
 @pytest.mark.parametrize(("resources", "memory"), [(None, "7Gi"), ({"requests": {"memory": "3Gi"}}, "3Gi")])
-async def test_a_stage_that_sets_its_memory_keeps_it_whatever_the_fetch_reports(
+async def test_a_cpu_stage_is_sized_by_the_fetch_unless_it_sets_its_memory(
     resources: dict[str, Any] | None, memory: str
 ) -> None:
     kube = FakeKube()
